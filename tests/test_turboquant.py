@@ -1,0 +1,249 @@
+import math
+import struct
+
+import pytest
+import torch
+
+from tqexport.errors import TQExportError
+from tqexport.kvquant import turboquant as tq
+from tqexport.kvquant.codecs import TurboQuantCodec, make_codec
+
+PRESET_NAMES = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]
+
+# REFERENCE.md section 2: slot_size_aligned per (token, kv head), and bf16 K+V for comparison.
+SLOT_TABLE = {
+    64: [100, 70, 62, 54, 256],
+    128: [196, 134, 118, 102, 512],
+    256: [388, 262, 230, 198, 1024],
+}
+
+
+@pytest.mark.parametrize("d", sorted(SLOT_TABLE))
+def test_slot_sizes_match_reference_table(d):
+    got = [tq.slot_layout(name, d).slot_size_aligned for name in PRESET_NAMES]
+    assert got == SLOT_TABLE[d][:4]
+    assert make_codec("bfloat16", d).bytes_per_token_head == SLOT_TABLE[d][4]
+    assert [make_codec(n, d).bytes_per_token_head for n in PRESET_NAMES] == SLOT_TABLE[d][:4]
+
+
+def test_layout_offsets_d128():
+    lay = tq.slot_layout("turboquant_k3v4_nc", 128)
+    assert (lay.key_code_bytes, lay.key_norm_offset) == (48, 48)
+    assert (lay.value_offset, lay.value_code_bytes) == (50, 64)
+    assert (lay.value_scale_offset, lay.value_zero_offset, lay.slot_size) == (114, 116, 118)
+    k8 = tq.slot_layout("turboquant_k8v4", 128)
+    assert (k8.key_norm_offset, k8.value_offset, k8.value_scale_offset) == (None, 128, 192)
+
+
+def test_presets():
+    got = {n: (p.key_bits, p.value_bits, p.norm_correction) for n, p in tq.PRESETS.items()}
+    assert got == {
+        "turboquant_k8v4": (8, 4, False),
+        "turboquant_4bit_nc": (4, 4, True),
+        "turboquant_k3v4_nc": (3, 4, True),
+        "turboquant_3bit_nc": (3, 3, True),
+    }
+
+
+def test_hadamard_is_symmetric_orthonormal_sylvester():
+    h = tq.hadamard(8)
+    assert torch.equal(h, h.T)
+    torch.testing.assert_close(h @ h, torch.eye(8), atol=1e-6, rtol=0)
+    assert torch.equal(h[0], torch.full((8,), 1 / math.sqrt(8)))
+    assert h[1].tolist() == pytest.approx([(-1) ** i / math.sqrt(8) for i in range(8)])
+    with pytest.raises(TQExportError, match="power-of-two"):
+        tq.hadamard(96)
+
+
+GAUSSIAN_LEVELS = {
+    1: [0.7979],
+    2: [0.4528, 1.5104],
+    3: [0.2451, 0.7560, 1.3439, 2.1519],
+    4: [0.1284, 0.3880, 0.6568, 0.9423, 1.2562, 1.6180, 2.0690, 2.7326],
+}
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("d", [64, 128])
+def test_vllm_codebook_is_gaussian_lloyd_max(bits, d):
+    c = tq.centroids(d, bits).double() * math.sqrt(d)
+    assert torch.equal(c, -c.flip(0))  # symmetric and sorted
+    assert bool((c[1:] > c[:-1]).all())
+    # vLLM's 200-point trapezoid rule puts the outer levels up to 7.5e-4 (relative) inside
+    # the exact Gaussian Lloyd-Max levels (2.1503 vs 2.1519 at 3 bits); inner ones agree.
+    assert c[2 ** (bits - 1) :].tolist() == pytest.approx(GAUSSIAN_LEVELS[bits], rel=1e-3)
+
+
+def test_thresholds_are_fp32_midpoints_of_fp32_centroids():
+    c = tq.centroids(128, 4)
+    th = tq.thresholds(c)
+    assert th.dtype == torch.float32
+    assert torch.equal(th, (c[:-1] + c[1:]) / 2)
+
+
+# Unit-vector MSE targets, exact Beta marginal, REFERENCE.md section 2.
+BETA_MSE = {64: [0.3584, 0.1145, 0.0334, 0.0091], 128: [0.3609, 0.1160, 0.0340, 0.0093]}
+LOWER_BOUND = [0.25, 0.0625, 0.0156, 0.0039]
+PAPER_UPPER = [0.36, 0.117, 0.03, 0.009]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_key_quantizer_mse_on_random_unit_vectors(d):
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(10_000, d, generator=g)
+    x = x / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    h = tq.hadamard(d)
+    y = x @ h
+    for bits in (1, 2, 3, 4):
+        c = tq.centroids(d, bits)
+        x_hat = c[tq.centroid_index(y, tq.thresholds(c))] @ h  # raw centroids, no NC
+        mse = ((x - x_hat) ** 2).sum(-1).mean().item()
+        assert mse == pytest.approx(BETA_MSE[d][bits - 1], rel=0.02), bits
+        assert LOWER_BOUND[bits - 1] < mse < 4.0**-bits * math.sqrt(3) * math.pi / 2
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_exact_beta_codebook_reproduces_reference_mse(d):
+    g = torch.Generator().manual_seed(99)
+    x = torch.randn(10_000, d, generator=g)
+    x = x / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    h = tq.hadamard(d)
+    for bits in (2, 4):
+        c = tq.centroids(d, bits, "beta")
+        x_hat = c[tq.centroid_index(x @ h, tq.thresholds(c))] @ h
+        mse = ((x - x_hat) ** 2).sum(-1).mean().item()
+        assert mse == pytest.approx(BETA_MSE[d][bits - 1], rel=0.015)
+
+
+# ---------------------------------------------------------------------------------------------
+# Golden bytes. Inputs are chosen so every expected byte follows from REFERENCE.md by hand:
+# key = 3 * e0 rotates to y_j = +1/sqrt(D) (= +1 sigma) for every j, which lands on the
+# 4-bit centroid +0.9423 sigma (index 11) and the 3-bit centroid +0.7560 sigma (index 5);
+# its norm is 3.0 (fp16 0x4200). Values v_i = i (D=64): min 0, max 63.
+
+
+def stream(codes, bits):
+    acc = 0
+    for i, c in enumerate(codes):
+        acc |= c << (bits * i)
+    return list(acc.to_bytes(math.ceil(len(codes) * bits / 8), "little"))
+
+
+def fp16(x):
+    return list(struct.pack("<e", x))
+
+
+def value_codes(d, bits):
+    # floor(i / ((D-1)/levels) + 1/2) computed exactly with integers (no ties occur here).
+    levels = 2**bits - 1
+    return [min((2 * i * levels + (d - 1)) // (2 * (d - 1)), levels) for i in range(d)]
+
+
+def golden_inputs(d):
+    k = torch.zeros(1, 1, d)
+    k[..., 0] = 3.0
+    v = torch.arange(d, dtype=torch.float32).reshape(1, 1, d)
+    return k, v
+
+
+@pytest.mark.parametrize(
+    "name,key_code,kbits,vbits",
+    [
+        ("turboquant_4bit_nc", 11, 4, 4),
+        ("turboquant_k3v4_nc", 5, 3, 4),
+        ("turboquant_3bit_nc", 5, 3, 3),
+    ],
+)
+def test_golden_slot_bytes_mse_presets(name, key_code, kbits, vbits):
+    d = 64
+    k, v = golden_inputs(d)
+    slot = TurboQuantCodec(name, d).encode(k, v)["kv"][0, 0].tolist()
+    levels = 2**vbits - 1
+    expected = (
+        stream([key_code] * d, kbits)
+        + fp16(3.0)
+        + stream(value_codes(d, vbits), vbits)
+        + fp16((d - 1) / levels)
+        + fp16(0.0)
+    )
+    assert slot == expected
+    lay = tq.slot_layout(name, d)
+    assert slot[lay.key_norm_offset : lay.key_norm_offset + 2] == [0x00, 0x42]
+    assert slot[lay.value_zero_offset : lay.value_zero_offset + 2] == [0, 0]
+    assert len(slot) == lay.slot_size_aligned == lay.slot_size
+
+
+def test_golden_slot_bytes_k8v4_with_padding_untouched():
+    d = 66  # k8v4 takes any head size; 66 makes an odd slot (103) padded to 104
+    k = torch.zeros(1, 1, d)
+    k[0, 0, :8] = torch.tensor([1.0, -2.0, 0.5, 448.0, 1000.0, -1000.0, 2.0**-9, -0.0])
+    v = torch.arange(d, dtype=torch.float32).reshape(1, 1, d)
+    codec = TurboQuantCodec("turboquant_k8v4", d)
+    lay = codec.layout
+    assert (lay.slot_size, lay.slot_size_aligned) == (103, 104)
+    buf = torch.full((1, 1, 104), 0xAA, dtype=torch.uint8)
+    slot = codec.encode(k, v, out=buf)["kv"][0, 0].tolist()
+    fp8_key = [0x38, 0xC0, 0x30, 0x7E, 0x7E, 0xFE, 0x01, 0x80] + [0] * (d - 8)
+    expected = fp8_key + stream(value_codes(d, 4), 4) + fp16((d - 1) / 15) + fp16(0.0)
+    assert slot[:103] == expected
+    assert slot[103] == 0xAA  # padding never written
+    assert codec.encode(k, v)["kv"][0, 0, 103].item() == 0  # fresh slots pad with zero
+
+
+def test_ties_go_up_and_negative_side():
+    d = 64
+    codec = TurboQuantCodec("turboquant_4bit_nc", d)
+    k = torch.zeros(2, d)
+    k[0, 0] = k[0, 1] = 1.0  # rotates to exact zeros and +-sqrt(2) sigma
+    k[1, 0] = -3.0  # every coordinate -1 sigma
+    idx, norm = codec.key_codes(k)
+    h = tq.hadamard(d)
+    zero = h[0] == -h[1]
+    assert bool(zero.any()) and bool((idx[0][zero] == 8).all())  # y == 0 == a threshold -> up
+    assert bool((idx[1] == 4).all())  # -0.9423 sigma is the 4th negative centroid
+    assert norm.tolist() == pytest.approx([math.sqrt(2), 3.0])
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_scores_equal_dot_with_reconstructed_keys(name, d):
+    g = torch.Generator().manual_seed(7)
+    codec = TurboQuantCodec(name, d)
+    k = torch.randn(2, 9, d, generator=g)
+    v = torch.randn(2, 9, d, generator=g)
+    slots = codec.encode(k, v)["kv"]
+    q = torch.randn(2, 3, d, generator=g)
+    scale = d**-0.5
+    got = codec.scores(q, slots, scale)
+    ref = q @ codec.decode_keys(slots).transpose(-1, -2) * scale
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert got.shape == (2, 3, 9)
+
+
+def test_norm_correction_reconstructs_unit_centroid_vectors():
+    d = 128
+    codec = TurboQuantCodec("turboquant_4bit_nc", d)
+    k = torch.randn(50, d)
+    keys = codec.decode_keys(codec.encode(k, k)["kv"])
+    norms = torch.linalg.vector_norm(keys, dim=-1)
+    stored = torch.linalg.vector_norm(k, dim=-1).half().float()
+    torch.testing.assert_close(norms, stored, atol=1e-4, rtol=1e-4)
+
+
+def test_value_dequant_formula():
+    d = 64
+    codec = TurboQuantCodec("turboquant_4bit_nc", d)
+    v = torch.randn(100, d) * 3 + 1
+    slots = codec.encode(torch.randn(100, d), v)["kv"]
+    v_hat = codec.decode_values(slots)
+    scale = ((v.amax(-1) - v.amin(-1)) / 15).half().float()
+    # code*fp16(scale) + fp16(min): error within half a step plus fp16 rounding of min/scale.
+    bound = scale * 0.5 + v.abs().amax(-1) * 2e-3 + scale * 15 * 1e-3
+    assert bool(((v_hat - v).abs() <= bound.unsqueeze(-1)).all())
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES[1:])
+def test_mse_presets_reject_non_power_of_two_heads(name):
+    with pytest.raises(TQExportError, match="turboquant_k8v4"):
+        make_codec(name, 96)
+    make_codec("turboquant_k8v4", 96)

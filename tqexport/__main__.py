@@ -1,0 +1,3 @@
+from tqexport.cli import main
+
+main()

@@ -1,0 +1,190 @@
+"""The ``tqexport`` command line (typer). Bad input: one line on stderr, exit code 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tqexport.errors import TQExportError
+
+app = typer.Typer(
+    help="Per-layer quantized KV caches (vLLM kv-cache-dtype names and layouts), exported.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+# Tables are wider than 80 columns; a pipe or CI log gets the full width instead of ellipses.
+out = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def dtype_rows(head_size: int) -> list[dict]:
+    """One row per kv-cache dtype at this head size (auto assumed bf16)."""
+    from tqexport.kvquant.codecs import make_codec
+    from tqexport.kvquant.modes import KV_CACHE_DTYPES
+
+    rows = []
+    bf16 = 4 * head_size
+    for name, entry in KV_CACHE_DTYPES.items():
+        row = {"name": name, "mode": entry.mode.name, "summary": entry.summary, "data_bits": None}
+        try:
+            codec = make_codec(name, head_size, model_dtype="bfloat16")
+        except TQExportError as e:
+            row.update(available=False, reason=str(e))
+            rows.append(row)
+            continue
+        b = codec.bytes_per_token_head
+        layout = getattr(codec, "layout", None)
+        if layout is not None:
+            row["data_bits"] = f"k{layout.preset.key_bits}v{layout.preset.value_bits}"
+        elif entry.data_bits is not None:
+            row["data_bits"] = entry.data_bits
+        row.update(
+            available=True,
+            bytes_per_token_head=b,
+            bits_per_element=8 * b / (2 * head_size),
+            compression_vs_bf16=bf16 / b,
+        )
+        rows.append(row)
+    return rows
+
+
+@app.command()
+def dtypes(
+    head_size: Annotated[int, typer.Option(help="Head size D for the byte columns.")] = 128,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+):
+    """List every kv-cache dtype: mode, bits per element, bytes per token-head (K+V, all in)."""
+    if head_size <= 0:
+        raise TQExportError(f"--head-size must be positive, got {head_size}")
+    rows = dtype_rows(head_size)
+    if as_json:
+        print(json.dumps({"head_size": head_size, "dtypes": rows}, indent=2))
+        return
+    t = Table(title=f"kv-cache dtypes at head size {head_size} (auto shown as bf16)")
+    for col in ("name", "mode", "data bits", "bytes/token-head", "bits/elem all-in", "vs bf16"):
+        t.add_column(col, justify="left" if col in ("name", "mode") else "right")
+    notes = []
+    for r in rows:
+        if not r["available"]:
+            t.add_row(r["name"], r["mode"], "-", "n/a", "n/a", "n/a")
+            notes.append(f"{r['name']}: {r['reason']}")
+            continue
+        t.add_row(
+            r["name"],
+            r["mode"],
+            str(r["data_bits"] or "model"),
+            str(r["bytes_per_token_head"]),
+            f"{r['bits_per_element']:.2f}",
+            f"{r['compression_vs_bf16']:.2f}x",
+        )
+    out.print(t)
+    for note in notes:
+        out.print(note, highlight=False)
+
+
+SkipOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--skip-layers",
+        help="Layers kept unquantized: 5, -1, 0-3, sw, full, boundary:N (repeatable, or a,b).",
+    ),
+]
+
+
+@app.command()
+def plan(
+    model: Annotated[str, typer.Argument(help="HF dir, config.json, .gguf, or built-in name.")],
+    kv_cache_dtype: Annotated[str, typer.Option(help="vLLM kv-cache dtype name.")] = "auto",
+    skip_layers: SkipOption = None,
+    boundary: Annotated[
+        bool, typer.Option(help="TurboQuant boundary protection (first/last 2 layers).")
+    ] = True,
+    block_size: Annotated[int, typer.Option(help="Tokens per cache block.")] = 16,
+    dtype: Annotated[
+        str | None, typer.Option(help="Model dtype (default: the config's, else float32).")
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the per-layer spec as JSON.")
+    ] = False,
+):
+    """Print the per-layer cache plan of MODEL from its config alone (no weights loaded)."""
+    from tqexport.models.config import describe_model
+    from tqexport.resolve import resolve
+
+    desc = describe_model(model, dtype)
+    res = resolve(desc, kv_cache_dtype, skip_layers or [], boundary=boundary, block_size=block_size)
+    for w in res.warnings:
+        err.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
+    spec = res.spec
+    if as_json:
+        print(json.dumps(spec.plan_dict(), indent=2))
+        return
+    t = Table(
+        title=f"{desc.name} ({desc.architecture}, {desc.dtype}): --kv-cache-dtype {kv_cache_dtype}"
+    )
+    for col in (
+        "layer",
+        "attention",
+        "window",
+        "kv dtype",
+        "mode",
+        "storage",
+        "bytes/token",
+        "group",
+        "why unquantized",
+    ):
+        t.add_column(col)
+    for la in spec.layers:
+        t.add_row(
+            str(la.index),
+            la.attention_type.value,
+            str(la.window) if la.window else "-",
+            la.kv_cache_dtype,
+            la.mode.name,
+            la.cache.storage_dtype,
+            str(la.cache.bytes_per_token),
+            str(la.group),
+            la.skipped_by or "",
+        )
+    out.print(t)
+    groups = ", ".join(
+        f"group {g.id}: {'full' if g.window is None else f'window {g.window}'} "
+        f"({len(g.layers)} layers)"
+        for g in spec.groups
+    )
+    ratio = spec.bf16_bytes_per_token / spec.bytes_per_token
+    out.print(
+        f"cache groups: {groups}\n"
+        f"KV bytes per token, all layers: {_fmt_bytes(spec.bytes_per_token)}; "
+        f"an all-bf16 cache: {_fmt_bytes(spec.bf16_bytes_per_token)} ({ratio:.2f}x this plan)",
+        highlight=False,
+    )
+    if any(la.skipped_by == "turboquant boundary" for la in spec.layers):
+        out.print("TurboQuant boundary layers stay unquantized; --no-boundary quantizes them.")
+
+
+def main() -> None:
+    """Console entry point: user errors become one line on stderr and exit code 2."""
+    try:
+        app()
+    except TQExportError as e:
+        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Pure KV-cache formats: dtype registry, TurboQuant layout, reference codecs (no models)."""

@@ -1,0 +1,1 @@
+"""Model loading and description: HF directories, GGUF files and built-in configs."""

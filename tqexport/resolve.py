@@ -1,0 +1,234 @@
+"""From a model description, a kv-cache dtype and skip patterns to the per-layer spec.
+
+After this step nothing reads the global kv dtype again: every layer carries its own cache spec
+(the requested dtype is kept only as provenance in ``ModelSpec.request``).
+
+Skip patterns (repeatable or comma-separated), layer = attention-layer index:
+``5``, ``-1``, ``0-3``, ``sw``/``sliding_window``, ``full``, ``boundary:N`` (first and last N).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tqexport.errors import TQExportError
+from tqexport.kvquant.modes import parse_kv_cache_dtype
+from tqexport.spec import (
+    AttentionType,
+    LayerSpec,
+    ModelSpec,
+    build_groups,
+    cache_spec,
+)
+
+UNQUANTIZED = "auto"
+#: vLLM protects the first and last 2 attention layers of dense models for every TurboQuant preset.
+TURBOQUANT_BOUNDARY_LAYERS = 2
+DEFAULT_BLOCK_SIZE = 16
+
+
+class ResolveError(TQExportError):
+    """A skip pattern or dtype that does not fit the model."""
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """One attention layer as the model config describes it (no weights needed)."""
+
+    index: int
+    module: str
+    window: int | None
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    softcap: float | None = None
+
+    @property
+    def attention_type(self) -> AttentionType:
+        return AttentionType.FULL if self.window is None else AttentionType.SLIDING_WINDOW
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """What resolution needs to know about a model."""
+
+    name: str
+    architecture: str
+    dtype: str
+    num_heads: int
+    layers: tuple[AttentionLayer, ...]
+    config_digest: str = ""
+    source: str = ""
+
+    def identity(self) -> dict:
+        return {
+            "name": self.name,
+            "architecture": self.architecture,
+            "source": self.source,
+            "config_digest": self.config_digest,
+            "num_layers": len(self.layers),
+            "num_heads": self.num_heads,
+        }
+
+
+@dataclass(frozen=True)
+class SkipPattern:
+    text: str
+    kind: str  # "index" | "range" | "class" | "boundary"
+    start: int = 0
+    stop: int = 0  # inclusive for ranges
+    attention: AttentionType | None = None
+
+    def matches(self, layers: Sequence[AttentionLayer]) -> set[int]:
+        """Positions of the layers this pattern names; raises if it points outside the model."""
+        n = len(layers)
+        if self.kind == "index":
+            if not -n <= self.start < n:
+                raise ResolveError(
+                    f"--skip-layers {self.text}: layer {self.start} is outside the model "
+                    f"(attention layers 0..{n - 1}, or -{n}..-1 from the end)"
+                )
+            return {self.start % n}
+        if self.kind == "range":
+            if self.stop >= n:
+                raise ResolveError(
+                    f"--skip-layers {self.text}: range ends past the last layer ({n - 1})"
+                )
+            return set(range(self.start, self.stop + 1))
+        if self.kind == "boundary":
+            if self.start > n:
+                raise ResolveError(
+                    f"--skip-layers {self.text}: the model has only {n} attention layers"
+                )
+            return set(range(self.start)) | set(range(n - self.start, n))
+        return {i for i, la in enumerate(layers) if la.attention_type is self.attention}
+
+
+_CLASSES = {
+    "sw": AttentionType.SLIDING_WINDOW,
+    "sliding_window": AttentionType.SLIDING_WINDOW,
+    "full": AttentionType.FULL,
+}
+_SYNTAX = "use an index (5), a negative index (-1), a range (0-3), sw, full or boundary:N"
+
+
+def parse_skip_pattern(text: str) -> SkipPattern:
+    t = text.strip().lower()
+    if re.fullmatch(r"-?\d+", t):
+        return SkipPattern(text, "index", start=int(t))
+    if m := re.fullmatch(r"(\d+)-(\d+)", t):
+        a, b = int(m[1]), int(m[2])
+        if a > b:
+            raise ResolveError(f"--skip-layers {text}: range start is after its end; write {b}-{a}")
+        return SkipPattern(text, "range", start=a, stop=b)
+    if t in _CLASSES:
+        return SkipPattern(text, "class", attention=_CLASSES[t])
+    if m := re.fullmatch(r"boundary:(\d+)", t):
+        if int(m[1]) == 0:
+            raise ResolveError(f"--skip-layers {text}: N must be at least 1")
+        return SkipPattern(text, "boundary", start=int(m[1]))
+    raise ResolveError(f"--skip-layers: malformed pattern {text!r}; {_SYNTAX}")
+
+
+def parse_skip_patterns(values: Sequence[str]) -> list[SkipPattern]:
+    """Split repeated and comma-separated ``--skip-layers`` values into patterns."""
+    out = []
+    for value in values:
+        for part in value.split(","):
+            if not part.strip():
+                raise ResolveError(f"--skip-layers: empty pattern in {value!r}; {_SYNTAX}")
+            out.append(parse_skip_pattern(part))
+    return out
+
+
+def turboquant_boundary(num_layers: int, n: int = TURBOQUANT_BOUNDARY_LAYERS) -> set[int]:
+    """First and last ``n`` layers, with at most half of all layers protected in total."""
+    n = min(n, num_layers // 4)
+    return set(range(n)) | set(range(num_layers - n, num_layers))
+
+
+@dataclass(frozen=True)
+class Resolution:
+    spec: ModelSpec
+    warnings: tuple[str, ...]
+
+
+def resolve(
+    model: ModelDescription,
+    kv_cache_dtype: str,
+    skip_layers: Sequence[str] = (),
+    *,
+    boundary: bool = True,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    kv_scales: dict[int, tuple[float, float]] | None = None,
+) -> Resolution:
+    """Decide every layer's cache. ``boundary`` turns TurboQuant boundary protection on/off;
+    ``kv_scales`` maps layer index -> (k_scale, v_scale) for fp8/nvfp4 layers (default 1.0)."""
+    entry = parse_kv_cache_dtype(kv_cache_dtype)
+    if block_size <= 0:
+        raise ResolveError(f"--block-size must be positive, got {block_size}")
+    layers = model.layers
+    if not layers:
+        raise ResolveError(f"model {model.name!r} has no attention layers")
+    warnings: list[str] = []
+    skipped: dict[int, str] = {}
+    for pattern in parse_skip_patterns(skip_layers):
+        hit = pattern.matches(layers)
+        if not hit and pattern.kind == "class":
+            warnings.append(
+                f"--skip-layers {pattern.text}: model {model.name!r} has no "
+                f"{pattern.attention.value} layers; nothing skipped by it"
+            )
+        for i in sorted(hit):
+            skipped.setdefault(i, f"--skip-layers {pattern.text}")
+    if entry.is_turboquant and boundary:
+        for i in sorted(turboquant_boundary(len(layers))):
+            skipped.setdefault(i, "turboquant boundary")
+
+    groups = build_groups({la.index: la.window for la in layers}, block_size)
+    group_of = {ix: g.id for g in groups for ix in g.layers}
+    kv_scales = kv_scales or {}
+    specs = []
+    for pos, la in enumerate(layers):
+        dtype = UNQUANTIZED if pos in skipped else kv_cache_dtype
+        scaled = parse_kv_cache_dtype(dtype).mode.uses_layer_scales
+        k_scale, v_scale = kv_scales.get(la.index, (1.0, 1.0)) if scaled else (1.0, 1.0)
+        try:
+            cache = cache_spec(
+                la.window,
+                kv_cache_dtype=dtype,
+                num_kv_heads=la.num_kv_heads,
+                head_size=la.head_size,
+                block_size=block_size,
+                model_dtype=model.dtype,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
+        except TQExportError as e:
+            raise ResolveError(f"layer {la.index} (head_size {la.head_size}): {e}") from None
+        specs.append(
+            LayerSpec(
+                index=la.index,
+                module=la.module,
+                cache=cache,
+                scale=la.scale,
+                softcap=la.softcap,
+                group=group_of[la.index],
+                skipped_by=skipped.get(pos) if dtype != kv_cache_dtype else None,
+            )
+        )
+    spec = ModelSpec(
+        model=model.identity(),
+        dtype=model.dtype,
+        block_size=block_size,
+        layers=tuple(specs),
+        groups=groups,
+        request={
+            "kv_cache_dtype": kv_cache_dtype,
+            "skip_layers": list(skip_layers),
+            "boundary": boundary,
+        },
+    )
+    return Resolution(spec, tuple(warnings))

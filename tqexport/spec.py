@@ -1,0 +1,381 @@
+"""Per-layer KV-cache specs, cache groups and the versioned ``tqexport.json`` schema.
+
+The spec is the single source of truth: every consumer (kernel, graph, plugin, executor) reads
+a layer's own :class:`LayerSpec`. Sizes are derived properties, never stored twice; the JSON
+carries them for readers without tqexport, and loading checks they still agree.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from tqexport import __version__
+from tqexport.errors import TQExportError
+from tqexport.kvquant.codecs import Codec, TensorFormat, make_codec
+from tqexport.kvquant.modes import KVQuantMode, parse_kv_cache_dtype
+from tqexport.kvquant.turboquant import SlotLayout
+
+SCHEMA_VERSION = 1
+
+
+class SpecError(TQExportError):
+    """A spec file that cannot be used as it is."""
+
+
+class AttentionType(enum.Enum):
+    FULL = "full"
+    SLIDING_WINDOW = "sliding_window"
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVCacheSpec:
+    """How one layer's paged cache is stored. The quant mode is derived from the dtype name,
+    so a TurboQuant spec cannot exist without its mode (vLLM's first seed bug)."""
+
+    kv_cache_dtype: str
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    model_dtype: str
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def __post_init__(self):
+        for name in ("num_kv_heads", "head_size", "block_size"):
+            if getattr(self, name) <= 0:
+                raise SpecError(f"{name} must be positive, got {getattr(self, name)}")
+        _ = self.codec  # validates the dtype name and head size now, not at first use
+        if not self.mode.uses_layer_scales and (self.k_scale, self.v_scale) != (1.0, 1.0):
+            raise SpecError(f"{self.kv_cache_dtype} caches take no per-layer k/v scales")
+        if not (self.k_scale > 0 and self.v_scale > 0):
+            raise SpecError(f"k/v scales must be positive, got {self.k_scale}, {self.v_scale}")
+
+    attention_type = AttentionType.FULL
+
+    @property
+    def window(self) -> int | None:
+        return None
+
+    @cached_property
+    def codec(self) -> Codec:
+        return make_codec(
+            self.kv_cache_dtype,
+            self.head_size,
+            model_dtype=self.model_dtype,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+        )
+
+    @property
+    def mode(self) -> KVQuantMode:
+        return parse_kv_cache_dtype(self.kv_cache_dtype).mode
+
+    @property
+    def storage_dtype(self) -> str:
+        """dtype of the K/V data tensors (uint8 bytes for every quantized mode)."""
+        return self.tensors[0].dtype
+
+    @property
+    def tensors(self) -> tuple[TensorFormat, ...]:
+        return self.codec.tensors
+
+    @property
+    def turboquant(self) -> SlotLayout | None:
+        return getattr(self.codec, "layout", None)
+
+    @property
+    def bytes_per_token_head(self) -> int:
+        return self.codec.bytes_per_token_head
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_token_head * self.num_kv_heads
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of this layer, all its cache tensors together."""
+        return self.bytes_per_token * self.block_size
+
+    def tensor_shapes(self, num_blocks: int) -> dict[str, tuple[int, ...]]:
+        """Shape of every cache tensor: ``[num_blocks, block_size, num_kv_heads(, X)]``."""
+        lead = (num_blocks, self.block_size, self.num_kv_heads)
+        return {t.role: t.shape(*lead) for t in self.tensors}
+
+    @property
+    def constants(self) -> dict[str, Any]:
+        """Constants a consumer needs besides the bytes: scales, TurboQuant layout."""
+        mode = self.mode
+        if mode.uses_layer_scales:
+            return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        if mode.is_turboquant:
+            return self.turboquant.describe()
+        if mode.is_per_token_head:
+            return {"min_scale": 1e-6}
+        return {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullAttentionSpec(KVCacheSpec):
+    """Cache of a layer whose queries see every earlier token."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowSpec(KVCacheSpec):
+    """Cache of a layer whose queries see the last ``sliding_window`` tokens (self included)."""
+
+    sliding_window: int
+    attention_type = AttentionType.SLIDING_WINDOW
+
+    def __post_init__(self):
+        if self.sliding_window <= 0:
+            raise SpecError(f"sliding_window must be positive, got {self.sliding_window}")
+        super().__post_init__()
+
+    @property
+    def window(self) -> int | None:
+        return self.sliding_window
+
+
+def cache_spec(window: int | None, **kw) -> KVCacheSpec:
+    """FullAttentionSpec for ``window=None``, else SlidingWindowSpec."""
+    if window is None:
+        return FullAttentionSpec(**kw)
+    return SlidingWindowSpec(sliding_window=window, **kw)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Everything about one attention layer that a consumer may need."""
+
+    index: int
+    module: str
+    cache: KVCacheSpec
+    scale: float
+    softcap: float | None = None
+    group: int = 0
+    skipped_by: str | None = None
+
+    @property
+    def attention_type(self) -> AttentionType:
+        return self.cache.attention_type
+
+    @property
+    def window(self) -> int | None:
+        return self.cache.window
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.cache.kv_cache_dtype
+
+    @property
+    def mode(self) -> KVQuantMode:
+        return self.cache.mode
+
+    def onnx_input(self, role: str) -> str:
+        return f"cache.{self.index}.{role}"
+
+    def onnx_output(self, role: str) -> str:
+        return f"cache_out.{self.index}.{role}"
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.cache
+        return {
+            "index": self.index,
+            "module": self.module,
+            "attention_type": self.attention_type.value,
+            "window": self.window,
+            "scale": self.scale,
+            "softcap": self.softcap,
+            "kv_cache_dtype": c.kv_cache_dtype,
+            "quant_mode": c.mode.name,
+            "storage_dtype": c.storage_dtype,
+            "model_dtype": c.model_dtype,
+            "num_kv_heads": c.num_kv_heads,
+            "head_size": c.head_size,
+            "block_size": c.block_size,
+            "bytes_per_token_head": c.bytes_per_token_head,
+            "page_size_bytes": c.page_size_bytes,
+            "group": self.group,
+            "skipped_by": self.skipped_by,
+            "tensors": [
+                {
+                    "role": t.role,
+                    "dtype": t.dtype,
+                    "shape": ["num_blocks", c.block_size, c.num_kv_heads]
+                    + ([] if t.width is None else [t.width]),
+                    "input": self.onnx_input(t.role),
+                    "output": self.onnx_output(t.role),
+                }
+                for t in c.tensors
+            ],
+            "constants": c.constants,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LayerSpec:
+        where = f"layer {d.get('index', '?')}"
+        try:
+            cache = cache_spec(
+                d["window"],
+                kv_cache_dtype=d["kv_cache_dtype"],
+                num_kv_heads=d["num_kv_heads"],
+                head_size=d["head_size"],
+                block_size=d["block_size"],
+                model_dtype=d["model_dtype"],
+                k_scale=d["constants"].get("k_scale", 1.0),
+                v_scale=d["constants"].get("v_scale", 1.0),
+            )
+            layer = cls(
+                index=d["index"],
+                module=d["module"],
+                cache=cache,
+                scale=d["scale"],
+                softcap=d["softcap"],
+                group=d["group"],
+                skipped_by=d.get("skipped_by"),
+            )
+        except KeyError as e:
+            raise SpecError(f"{where}: missing field {e.args[0]!r}") from None
+        # Derived fields must agree with what this tqexport derives: a spec claiming e.g.
+        # mode TURBOQUANT for dtype 'auto' is corrupt, not something to guess around.
+        ours = layer.to_dict()
+        for key, value in d.items():
+            if key in ours and ours[key] != value:
+                raise SpecError(
+                    f"{where}: field {key!r} is {value!r} but {d['kv_cache_dtype']!r} with this "
+                    f"shape means {ours[key]!r}; the spec is inconsistent, rebuild the artifact"
+                )
+        return layer
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """Layers that share one block table: same window (None = full attention)."""
+
+    id: int
+    window: int | None
+    block_size: int
+    layers: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "window": self.window,
+            "block_size": self.block_size,
+            "layers": list(self.layers),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CacheGroup:
+        return cls(d["id"], d["window"], d["block_size"], tuple(d["layers"]))
+
+
+def build_groups(windows: dict[int, int | None], block_size: int) -> tuple[CacheGroup, ...]:
+    """Group layer indices by window: full attention first, then windows ascending."""
+    keys = sorted(set(windows.values()), key=lambda w: (w is not None, w or 0))
+    return tuple(
+        CacheGroup(i, w, block_size, tuple(sorted(ix for ix, lw in windows.items() if lw == w)))
+        for i, w in enumerate(keys)
+    )
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The whole ``tqexport.json``: model identity, layers, groups, provenance, graph I/O."""
+
+    model: dict[str, Any]
+    dtype: str
+    block_size: int
+    layers: tuple[LayerSpec, ...]
+    groups: tuple[CacheGroup, ...]
+    request: dict[str, Any] = field(default_factory=dict)
+    io: dict[str, Any] | None = None
+    tqexport_version: str = __version__
+
+    def __post_init__(self):
+        by_group = {g.id: g for g in self.groups}
+        for layer in self.layers:
+            g = by_group.get(layer.group)
+            if g is None or layer.index not in g.layers or g.window != layer.window:
+                raise SpecError(f"layer {layer.index} is not in a cache group with its window")
+
+    def layer(self, index: int) -> LayerSpec:
+        for layer in self.layers:
+            if layer.index == index:
+                return layer
+        raise KeyError(index)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(layer.cache.bytes_per_token for layer in self.layers)
+
+    @property
+    def bf16_bytes_per_token(self) -> int:
+        """What the same layers would take with bf16 K and V caches."""
+        return sum(4 * la.cache.head_size * la.cache.num_kv_heads for la in self.layers)
+
+    def plan_dict(self) -> dict[str, Any]:
+        """The per-layer part of the spec (what ``tqexport plan --json`` prints)."""
+        return {
+            "groups": [g.to_dict() for g in self.groups],
+            "layers": [la.to_dict() for la in self.layers],
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "tqexport_version": self.tqexport_version,
+            "model": self.model,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "request": self.request,
+            **self.plan_dict(),
+            "io": self.io,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise SpecError(
+                f"spec schema version {version!r} is not supported by tqexport {__version__} "
+                f"(it reads version {SCHEMA_VERSION}); rebuild the artifact with this tqexport "
+                "or use the tqexport version that built it"
+            )
+        try:
+            return cls(
+                model=d["model"],
+                dtype=d["dtype"],
+                block_size=d["block_size"],
+                layers=tuple(LayerSpec.from_dict(x) for x in d["layers"]),
+                groups=tuple(CacheGroup.from_dict(x) for x in d["groups"]),
+                request=d.get("request", {}),
+                io=d.get("io"),
+                tqexport_version=d["tqexport_version"],
+            )
+        except KeyError as e:
+            raise SpecError(f"spec is missing field {e.args[0]!r}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelSpec:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecError(f"spec is not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise SpecError("spec must be a JSON object")
+        return cls.from_dict(data)
+
+
+def config_digest(config: dict[str, Any]) -> str:
+    """sha256 of a model config, canonically serialized (identifies what a spec was built for)."""
+    blob = json.dumps(config, sort_keys=True, default=str).encode()
+    return "sha256:" + hashlib.sha256(blob).hexdigest()
