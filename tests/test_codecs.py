@@ -3,12 +3,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tqexport.kvquant.bits import E4M3, E5M2, fp8_decode
 from tqexport.kvquant.codecs import (
     E2M1_VALUES,
     Fp8PerTensorCodec,
     e2m1_decode,
     e2m1_encode,
-    fp8_decode,
     make_codec,
 )
 from tqexport.kvquant.modes import kv_cache_dtype_names
@@ -25,11 +25,11 @@ def test_fp8_saturates_instead_of_inf():
     x = torch.tensor([[[1000.0, -1000.0, 448.0, 1.0]]])
     enc = Fp8PerTensorCodec(4, "float8_e4m3fn").encode(x, x)
     assert enc["k"].dtype == torch.uint8
-    assert fp8_decode(enc["k"], torch.float8_e4m3fn).tolist() == [[[448.0, -448.0, 448.0, 1.0]]]
+    assert fp8_decode(enc["k"], E4M3).tolist() == [[[448.0, -448.0, 448.0, 1.0]]]
     y = torch.tensor([[[70000.0, -70000.0, 57344.0, 1.0]]])
     assert torch.tensor([70000.0]).to(torch.float8_e5m2).float().isinf().all()  # torch alone
     enc = Fp8PerTensorCodec(4, "float8_e5m2").encode(y, y)
-    assert fp8_decode(enc["v"], torch.float8_e5m2).tolist() == [[[57344.0, -57344.0, 57344.0, 1.0]]]
+    assert fp8_decode(enc["v"], E5M2).tolist() == [[[57344.0, -57344.0, 57344.0, 1.0]]]
 
 
 def test_fp8_per_tensor_scales_round_trip():
@@ -107,9 +107,7 @@ def test_nvfp4_error_bound_and_layout():
     assert enc["k"].shape == (64, 3, 32 + 4)
     k_hat, _ = codec.decode(enc)
     blocks = k.unflatten(-1, (-1, 16))
-    s_eff = (fp8_decode(enc["k"][..., 32:], torch.float8_e4m3fn) * 0.5).unsqueeze(
-        -1
-    )  # scale actually stored
+    s_eff = (fp8_decode(enc["k"][..., 32:], E4M3) * 0.5).unsqueeze(-1)  # scale actually stored
     amax = blocks.abs().amax(-1, keepdim=True)
     assert bool(((s_eff * 6 - amax).abs() <= amax * 2**-4).all())  # e4m3 rounding of amax/6
     y = blocks.abs() / s_eff

@@ -13,17 +13,25 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
 from tqexport.errors import TQExportError
 from tqexport.kvquant import turboquant as tq
+from tqexport.kvquant.bits import (
+    E4M3,
+    FP8_FORMATS,
+    fp8_decode,
+    fp8_encode,
+    fp16_bytes,
+    fp16_from_bytes,
+    int8_from_bytes,
+    int8_to_bytes,
+)
 from tqexport.kvquant.modes import KVQuantMode, parse_kv_cache_dtype
 from tqexport.kvquant.packing import pack_codes, unpack_codes
 
 MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -33,34 +41,6 @@ def torch_dtype(name: str) -> torch.dtype:
         return table[name]
     except KeyError:
         raise TQExportError(f"unknown dtype {name!r}; valid: {', '.join(table)}") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def fp8_max(fmt: torch.dtype) -> float:
-    return float(torch.finfo(fmt).max)
-
-
-def fp8_encode(x: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
-    """Saturating cast to fp8, returned as its uint8 bytes (torch alone turns overflow into inf)."""
-    limit = fp8_max(fmt)
-    return x.float().clamp(-limit, limit).to(fmt).view(torch.uint8)
-
-
-def fp8_decode(b: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
-    return b.contiguous().view(fmt).float()
-
-
-def fp16_bytes(x: torch.Tensor) -> torch.Tensor:
-    """[...] float -> [..., 2] little-endian fp16 bytes."""
-    return x.to(torch.float16).unsqueeze(-1).view(torch.uint8)
-
-
-def fp16_from_bytes(b: torch.Tensor) -> torch.Tensor:
-    """[..., 2] bytes -> [...] float32."""
-    return b.contiguous().view(torch.float16).squeeze(-1).float()
 
 
 @dataclass(frozen=True)
@@ -165,9 +145,7 @@ class SymmetricPerTokenHeadCodec(Codec):
     def __init__(self, head_size: int, mode: KVQuantMode):
         self.head_size = head_size
         self.mode = mode
-        self.qmax = (
-            127.0 if mode is KVQuantMode.INT8_PER_TOKEN_HEAD else fp8_max(torch.float8_e4m3fn)
-        )
+        self.qmax = 127.0 if mode is KVQuantMode.INT8_PER_TOKEN_HEAD else E4M3.max_value
 
     @property
     def tensors(self):
@@ -184,16 +162,16 @@ class SymmetricPerTokenHeadCodec(Codec):
         scale = (x.abs().amax(-1) / self.qmax).clamp_min(PER_TOKEN_HEAD_MIN_SCALE)
         y = x / scale.unsqueeze(-1)
         if self.mode is KVQuantMode.INT8_PER_TOKEN_HEAD:
-            data = y.round().clamp(-128, 127).to(torch.int8).view(torch.uint8)
+            data = int8_to_bytes(y.round().clamp(-128, 127))
         else:
-            data = fp8_encode(y, torch.float8_e4m3fn)
+            data = fp8_encode(y, E4M3)
         return data, scale
 
     def _dequant(self, data, scale):
         if self.mode is KVQuantMode.INT8_PER_TOKEN_HEAD:
-            vals = data.contiguous().view(torch.int8).float()
+            vals = int8_from_bytes(data)
         else:
-            vals = fp8_decode(data, torch.float8_e4m3fn)
+            vals = fp8_decode(data, E4M3)
         return vals * scale.unsqueeze(-1)
 
     def encode(self, k, v):
@@ -276,7 +254,7 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    mag = E2M1_VALUES[codes & 7]
+    mag = E2M1_VALUES[torch.remainder(codes, 8).to(torch.int64)]
     return torch.where(codes >= 8, -mag, mag)
 
 
@@ -305,8 +283,8 @@ class NvFp4Codec(Codec):
     def _quant(self, x, global_scale):
         blocks = x.float().unflatten(-1, (-1, NVFP4_BLOCK))
         amax = blocks.abs().amax(-1)
-        scale_bytes = fp8_encode(amax / 6.0 / global_scale, torch.float8_e4m3fn)
-        eff = fp8_decode(scale_bytes, torch.float8_e4m3fn) * global_scale
+        scale_bytes = fp8_encode(amax / 6.0 / global_scale, E4M3)
+        eff = fp8_decode(scale_bytes, E4M3) * global_scale
         safe = torch.where(eff > 0, eff, torch.ones_like(eff))
         codes = e2m1_encode((blocks / safe.unsqueeze(-1)).clamp(-6.0, 6.0))
         codes = torch.where(eff.unsqueeze(-1) > 0, codes, torch.zeros_like(codes))
@@ -315,7 +293,7 @@ class NvFp4Codec(Codec):
     def _dequant(self, data, global_scale):
         half = self.head_size // 2
         codes = unpack_codes(data[..., :half], 4, self.head_size)
-        scales = fp8_decode(data[..., half:], torch.float8_e4m3fn) * global_scale
+        scales = fp8_decode(data[..., half:], E4M3) * global_scale
         vals = e2m1_decode(codes).unflatten(-1, (-1, NVFP4_BLOCK)) * scales.unsqueeze(-1)
         return vals.flatten(-2)
 
@@ -339,22 +317,16 @@ class TurboQuantCodec(Codec):
         tq.check_head_size(self.preset, head_size)
         self.head_size = head_size
         self.layout = tq.SlotLayout(self.preset, head_size)
+        # Constants are built here, eagerly: built lazily inside an export trace they would be
+        # captured as trace-time tensors.
+        if not self.preset.key_fp8:
+            self.rotation = tq.hadamard(head_size)
+            self.centroids = tq.centroids(head_size, self.preset.key_bits)
+            self.thresholds = tq.thresholds(self.centroids)
 
     @property
     def tensors(self):
         return (TensorFormat("kv", "uint8", self.layout.slot_size_aligned),)
-
-    @cached_property
-    def rotation(self) -> torch.Tensor:
-        return tq.hadamard(self.head_size)
-
-    @cached_property
-    def centroids(self) -> torch.Tensor:
-        return tq.centroids(self.head_size, self.preset.key_bits)
-
-    @cached_property
-    def thresholds(self) -> torch.Tensor:
-        return tq.thresholds(self.centroids)
 
     # -- keys ------------------------------------------------------------------------------
     def key_codes(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -366,7 +338,7 @@ class TurboQuantCodec(Codec):
 
     def _encode_keys(self, k):
         if self.preset.key_fp8:
-            return fp8_encode(k, torch.float8_e4m3fn)
+            return fp8_encode(k, E4M3)
         idx, norm = self.key_codes(k)
         return torch.cat([pack_codes(idx, self.preset.key_bits), fp16_bytes(norm)], dim=-1)
 
@@ -375,9 +347,9 @@ class TurboQuantCodec(Codec):
         MSE keys (norm-corrected if the preset says so), or (fp8 keys, None)."""
         lay = self.layout
         if self.preset.key_fp8:
-            return fp8_decode(slots[..., : lay.key_code_bytes], torch.float8_e4m3fn), None
+            return fp8_decode(slots[..., : lay.key_code_bytes], E4M3), None
         idx = unpack_codes(slots[..., : lay.key_code_bytes], self.preset.key_bits, self.head_size)
-        c = self.centroids[idx]
+        c = self.centroids[idx.to(torch.int64)]
         if self.preset.norm_correction:
             c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + NC_EPS)
         norm_at = lay.key_norm_offset

@@ -12,6 +12,14 @@ import math
 import torch
 
 SUPPORTED_BITS = (3, 4, 8)
+# Shifts and masks are written as integer arithmetic: ONNX BitShift takes unsigned types only
+# and tensor-valued shifts do not export, while Mul/Div/Mod on int32 run everywhere.
+_POW8 = torch.tensor([8**i for i in range(8)], dtype=torch.int32)
+
+
+def _digit(words: torch.Tensor, base: int, i: int) -> torch.Tensor:
+    """Digit i of non-negative integers in the given base."""
+    return torch.remainder(torch.div(words, base**i, rounding_mode="floor"), base)
 
 
 def packed_bytes(count: int, bits: int) -> int:
@@ -29,30 +37,28 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         if n % 2:
             codes = torch.nn.functional.pad(codes, (0, 1))
         pairs = codes.unflatten(-1, (-1, 2))
-        return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+        return (pairs[..., 0] + pairs[..., 1] * 16).to(torch.uint8)
     if bits == 3:
         if n % 8:
             raise ValueError(f"3-bit packing needs a multiple of 8 codes, got {n}")
         groups = codes.unflatten(-1, (-1, 8))
-        shifts = torch.arange(0, 24, 3, dtype=torch.int32)
-        words = (groups << shifts).sum(-1, dtype=torch.int32)
-        out = torch.stack([(words >> s) & 0xFF for s in (0, 8, 16)], dim=-1)
+        words = (groups * _POW8).sum(-1, dtype=torch.int32)
+        out = torch.stack([_digit(words, 256, i) for i in range(3)], dim=-1)
         return out.flatten(-2).to(torch.uint8)
     raise ValueError(f"unsupported code width {bits}; supported: {SUPPORTED_BITS}")
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: uint8 [..., B] -> int64 codes [..., count]."""
-    data = packed.to(torch.int64)
+    """Inverse of :func:`pack_codes`: uint8 [..., B] -> int32 codes [..., count]."""
+    data = packed.to(torch.int32)
     if bits == 8:
         return data[..., :count]
     if bits == 4:
-        both = torch.stack([data & 0x0F, data >> 4], dim=-1).flatten(-2)
+        both = torch.stack([_digit(data, 16, 0), _digit(data, 16, 1)], dim=-1).flatten(-2)
         return both[..., :count]
     if bits == 3:
         triples = data.unflatten(-1, (-1, 3))
-        words = triples[..., 0] | (triples[..., 1] << 8) | (triples[..., 2] << 16)
-        shifts = torch.arange(0, 24, 3, dtype=torch.int64)
-        codes = (words.unsqueeze(-1) >> shifts) & 0x7
+        words = triples[..., 0] + triples[..., 1] * 256 + triples[..., 2] * 65536
+        codes = torch.stack([_digit(words, 8, i) for i in range(8)], dim=-1)
         return codes.flatten(-2)[..., :count]
     raise ValueError(f"unsupported code width {bits}; supported: {SUPPORTED_BITS}")
