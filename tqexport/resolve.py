@@ -61,6 +61,7 @@ class ModelDescription:
     layers: tuple[AttentionLayer, ...]
     config_digest: str = ""
     source: str = ""
+    vocab_size: int = 0
 
     def identity(self) -> dict:
         return {
@@ -70,6 +71,7 @@ class ModelDescription:
             "config_digest": self.config_digest,
             "num_layers": len(self.layers),
             "num_heads": self.num_heads,
+            "vocab_size": self.vocab_size,
         }
 
 

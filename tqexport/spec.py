@@ -319,6 +319,30 @@ class ModelSpec:
         """What the same layers would take with bf16 K and V caches."""
         return sum(4 * la.cache.head_size * la.cache.num_kv_heads for la in self.layers)
 
+    def graph_io(self) -> dict[str, list[dict[str, Any]]]:
+        """The graph's input/output contract: names, dtypes and symbolic shapes, in order."""
+        vocab = self.model.get("vocab_size", "vocab")
+        inputs = [
+            _io("input_ids", "int64", ["T"]),
+            _io("positions", "int64", ["T"]),
+            _io("seq_lens", "int32", ["num_seqs"]),
+            _io("query_start_loc", "int32", ["num_seqs_plus_1"]),
+            _io("logits_indices", "int64", ["L"]),
+        ]
+        for g in self.groups:
+            inputs.append(_io(f"slot_mapping_{g.id}", "int64", ["T"]))
+            inputs.append(_io(f"block_tables_{g.id}", "int32", ["num_seqs", f"max_blocks_{g.id}"]))
+        outputs = [_io("logits", "float32", ["L", vocab])]
+        for layer in self.layers:
+            c = layer.cache
+            for t in c.tensors:
+                shape = ["num_blocks", c.block_size, c.num_kv_heads] + (
+                    [] if t.width is None else [t.width]
+                )
+                inputs.append(_io(layer.onnx_input(t.role), t.dtype, shape))
+                outputs.append(_io(layer.onnx_output(t.role), t.dtype, shape))
+        return {"inputs": inputs, "outputs": outputs}
+
     def plan_dict(self) -> dict[str, Any]:
         """The per-layer part of the spec (what ``tqexport plan --json`` prints)."""
         return {
@@ -373,6 +397,10 @@ class ModelSpec:
         if not isinstance(data, dict):
             raise SpecError("spec must be a JSON object")
         return cls.from_dict(data)
+
+
+def _io(name: str, dtype: str, shape: list) -> dict[str, Any]:
+    return {"name": name, "dtype": dtype, "shape": shape}
 
 
 def config_digest(config: dict[str, Any]) -> str:

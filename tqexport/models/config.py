@@ -123,6 +123,7 @@ def describe_config(config, name: str, source: str = "", dtype: str | None = Non
             }
         ),
         source=source,
+        vocab_size=int(getattr(cfg, "vocab_size", 0) or 0),
     )
 
 

@@ -1,0 +1,123 @@
+"""ONNX function bodies (exported from the reference ops) against the reference, on ORT CPU."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from helpers import describe
+from onnx import helper
+
+from tqexport.export.functions import function_for
+from tqexport.kvquant.codecs import torch_dtype
+from tqexport.kvquant.modes import kv_cache_dtype_names
+from tqexport.ops import reference
+from tqexport.ops.attributes import CACHE_WRITE, DOMAIN, PAGED_ATTENTION, node_attrs
+from tqexport.ops.library import codec_for
+from tqexport.resolve import resolve
+
+OPSET = 21
+ONNX_TYPES = {"float32": 1, "uint8": 2, "float16": 10, "int64": 7, "int32": 6}
+
+
+def single_node_model(op, attrs, inputs, out_types):
+    fn, extra = function_for(op, attrs, OPSET)
+    names_in = [f"in{i}" for i in range(len(inputs))]
+    names_out = [f"out{i}" for i in range(len(out_types))]
+    node = helper.make_node(op, names_in, names_out, domain=DOMAIN, overload=attrs["variant"])
+    node.attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
+    g = helper.make_graph(
+        [node],
+        "g",
+        [
+            helper.make_tensor_value_info(n, ONNX_TYPES[str(x.dtype)[6:]], [None] * x.dim())
+            for n, x in zip(names_in, inputs)
+        ],
+        [
+            helper.make_tensor_value_info(n, ONNX_TYPES[t], [None] * r)
+            for n, (t, r) in zip(names_out, out_types)
+        ],
+    )
+    m = helper.make_model(
+        g,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
+        functions=[fn, *extra],
+        ir_version=10,
+    )
+    onnx.checker.check_model(m)
+    return ort.InferenceSession(m.SerializeToString())
+
+
+def layer_for(dtype, window=None, heads=2, d=64):
+    desc = describe([window], head_size=d, kv_heads=heads, dtype="float32")
+    return resolve(
+        desc, dtype, boundary=False, block_size=4, kv_scales={0: (0.5, 2.0)}
+    ).spec.layers[0]
+
+
+@pytest.mark.parametrize("dtype", [n for n in kv_cache_dtype_names() if n != "bfloat16"])
+def test_cache_write_body_is_byte_exact(dtype):
+    layer = layer_for(dtype)
+    attrs = node_attrs(CACHE_WRITE, layer, num_heads=4)
+    c = layer.cache
+    codec = codec_for(c.kv_cache_dtype, 64, "float32", c.k_scale, c.v_scale)
+    g = torch.Generator().manual_seed(11)
+    cache = [
+        torch.randint(0, 255, s, generator=g).to(torch_dtype(t.dtype))
+        if t.dtype == "uint8"
+        else torch.randn(s, generator=g).to(torch_dtype(t.dtype))
+        for t, s in zip(c.tensors, c.tensor_shapes(6).values())
+    ]
+    k = torch.randn(7, 2, 64, generator=g) * 3
+    v = torch.randn(7, 2, 64, generator=g)
+    slots = torch.tensor([4, 5, 6, 7, 8, -1, 21], dtype=torch.int64)
+    ref = reference.write_cache(codec, cache, k, v, slots)
+    sess = single_node_model(
+        CACHE_WRITE,
+        attrs,
+        [*cache, k, v, slots],
+        [(t.dtype, x.dim()) for t, x in zip(c.tensors, cache)],
+    )
+    got = sess.run(None, {f"in{i}": x.numpy() for i, x in enumerate([*cache, k, v, slots])})
+    for r, o in zip(ref, got):
+        assert np.array_equal(r.numpy(), o), dtype
+    assert torch.equal(ref[0][3:5], cache[0][3:5])  # blocks nobody wrote
+
+
+@pytest.mark.parametrize(
+    "dtype,window,softcap",
+    [("auto", None, None), ("turboquant_3bit_nc", 3, None), ("fp8", None, 20.0),
+     ("int4_per_token_head", 5, None), ("turboquant_k8v4", None, None), ("nvfp4", None, None)],
+)  # fmt: skip
+def test_paged_attention_body_matches_reference(dtype, window, softcap):
+    layer = layer_for(dtype, window)
+    if softcap:
+        from dataclasses import replace
+
+        layer = replace(layer, softcap=softcap)
+    attrs = node_attrs(PAGED_ATTENTION, layer, num_heads=4)
+    c = layer.cache
+    codec = codec_for(c.kv_cache_dtype, 64, "float32", c.k_scale, c.v_scale)
+    g = torch.Generator().manual_seed(12)
+    cache = [
+        torch.zeros(s, dtype=torch_dtype(t.dtype))
+        for t, s in zip(c.tensors, c.tensor_shapes(8).values())
+    ]
+    # two sequences: 9 and 4 cached tokens; block tables padded with the null block
+    k = torch.randn(13, 2, 64, generator=g)
+    slots = torch.tensor(list(range(4, 13)) + [20, 21, 22, 23])
+    cache = reference.write_cache(codec, cache, k, torch.randn(13, 2, 64, generator=g), slots)
+    q = torch.randn(5, 4, 64, generator=g)
+    tables = torch.tensor([[1, 2, 3], [5, 0, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([9, 4], dtype=torch.int32)
+    qsl = torch.tensor([0, 3, 4], dtype=torch.int32)  # 3 queries of seq 0, 1 of seq 1, 1 padding
+    positions = torch.tensor([6, 7, 8, 3, 0], dtype=torch.int64)
+    inputs = [q, *cache, tables, seq_lens, qsl, positions]
+    ref = reference.paged_attention(
+        codec, q, cache, tables, seq_lens, qsl, positions,
+        scale=layer.scale, softcap=layer.softcap, window=layer.window,
+    )  # fmt: skip
+    sess = single_node_model(PAGED_ATTENTION, attrs, inputs, [("float32", 3)])
+    (got,) = sess.run(None, {f"in{i}": x.numpy() for i, x in enumerate(inputs)})
+    np.testing.assert_allclose(got, ref.numpy(), atol=1e-5, rtol=1e-4)
+    assert np.all(got[4] == 0)  # the padding token sees nothing

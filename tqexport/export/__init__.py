@@ -1,0 +1,1 @@
+"""Export: ONNX graph with tqexport ops and function bodies; TensorRT engine build."""

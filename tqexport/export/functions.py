@@ -1,0 +1,130 @@
+"""ONNX function bodies for the tqexport ops, generated from the reference implementation.
+
+Each op variant (one set of static node attributes) gets a model-local FunctionProto in domain
+``tqexport``, selected by the node's ``overload`` = its ``variant`` attribute. The body is the
+reference op (:mod:`tqexport.ops.reference`) exported by torch.onnx to standard ops, so ONNX
+Runtime computes exactly what the torch reference computes; TensorRT, with
+``plugin_namespace="tqexport"``, swaps in a plugin instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import onnx
+import torch
+from onnx import helper
+
+from tqexport.kvquant.codecs import MODEL_DTYPES, torch_dtype
+from tqexport.ops import reference
+from tqexport.ops.attributes import CACHE_WRITE, DOMAIN
+from tqexport.ops.library import codec_for
+
+
+class _CacheWriteBody(torch.nn.Module):
+    def __init__(self, codec):
+        super().__init__()
+        self.codec = codec
+
+    def forward(self, *inputs):
+        n = len(self.codec.tensors)
+        cache, (k, v, slot_mapping) = list(inputs[:n]), inputs[n:]
+        return tuple(reference.write_cache(self.codec, cache, k, v, slot_mapping))
+
+
+class _PagedAttentionBody(torch.nn.Module):
+    def __init__(self, codec, attrs):
+        super().__init__()
+        self.codec = codec
+        self.attrs = attrs
+
+    def forward(self, *inputs):
+        n = len(self.codec.tensors)
+        q, cache = inputs[0], list(inputs[1 : 1 + n])
+        block_tables, seq_lens, query_start_loc, positions = inputs[1 + n :]
+        a = self.attrs
+        return reference.paged_attention(
+            self.codec,
+            q,
+            cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            positions,
+            scale=a["scale"],
+            softcap=a["softcap"] or None,
+            window=a["window"] or None,
+        )
+
+
+def _example_cache(codec, attrs, num_blocks):
+    lead = (num_blocks, attrs["block_size"], attrs["num_kv_heads"])
+    return [torch.zeros(t.shape(*lead), dtype=torch_dtype(t.dtype)) for t in codec.tensors]
+
+
+def _export_body(op: str, attrs: dict, opset: int) -> onnx.ModelProto:
+    codec = codec_for(
+        attrs["kv_cache_dtype"],
+        attrs["head_size"],
+        attrs["model_dtype"],
+        attrs["k_scale"],
+        attrs["v_scale"],
+    )
+    dt = MODEL_DTYPES[attrs["model_dtype"]]
+    kvh, d = attrs["num_kv_heads"], attrs["head_size"]
+    tokens, blocks = torch.export.Dim("T"), torch.export.Dim("num_blocks")
+    seqs, max_blocks = torch.export.Dim("num_seqs"), torch.export.Dim("max_blocks")
+    cache = _example_cache(codec, attrs, 5)
+    cache_dyn = tuple({0: blocks} for _ in cache)
+    if op == CACHE_WRITE:
+        module = _CacheWriteBody(codec)
+        args = (*cache, torch.zeros(3, kvh, d, dtype=dt), torch.zeros(3, kvh, d, dtype=dt))
+        args = (*args, torch.tensor([1, 2, -1], dtype=torch.int64))
+        dyn = (*cache_dyn, {0: tokens}, {0: tokens}, {0: tokens})
+    else:
+        module = _PagedAttentionBody(codec, attrs)
+        q = torch.zeros(3, attrs["num_heads"], d, dtype=dt)
+        args = (
+            q,
+            *cache,
+            torch.tensor([[1, 2], [3, 0]], dtype=torch.int32),
+            torch.tensor([2, 1], dtype=torch.int32),
+            torch.tensor([0, 2, 3], dtype=torch.int32),
+            torch.tensor([0, 1, 0], dtype=torch.int64),
+        )
+        dyn = (
+            {0: tokens},
+            *cache_dyn,
+            {0: seqs, 1: max_blocks},
+            {0: seqs},
+            {0: seqs + 1},
+            {0: tokens},
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            module, args, dynamic_shapes=(dyn,), dynamo=True, opset_version=opset, verbose=False
+        )
+    return program.model_proto
+
+
+def function_for(op: str, attrs: dict, opset: int) -> tuple[onnx.FunctionProto, list]:
+    """FunctionProto for one variant; also returns functions its body calls (usually none)."""
+    model = _export_body(op, attrs, opset)
+    g = model.graph
+    constants = [
+        helper.make_node("Constant", [], [init.name], value=init) for init in g.initializer
+    ]
+    # Attributes are declared so nodes may carry their whole spec; the body is specialized.
+    declared = sorted(set(attrs) | {"variant", "layer", "plugin_namespace"})
+    fn = helper.make_function(
+        DOMAIN,
+        op,
+        [i.name for i in g.input],
+        [o.name for o in g.output],
+        constants + list(g.node),
+        opset_imports=list(model.opset_import),
+        attributes=declared,
+        overload=attrs["variant"],
+    )
+    return fn, list(model.functions)

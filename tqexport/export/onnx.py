@@ -1,0 +1,118 @@
+"""Export a loaded model with its per-layer spec to one ONNX graph.
+
+Per attention layer the graph holds a ``tqexport::CacheWrite`` node (cache in -> cache out, the
+output being the graph output) and a ``tqexport::PagedAttention`` node reading the written
+cache. Both carry their layer's spec as attributes and ``plugin_namespace="tqexport"``; their
+``overload`` names the model-local function body ORT runs. The spec JSON is embedded in
+``metadata_props["tqexport.spec"]``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import onnx
+import torch
+
+from tqexport.errors import TQExportError
+from tqexport.export.functions import function_for
+from tqexport.models.paged import PagedCausalLM
+from tqexport.ops.attributes import DOMAIN
+from tqexport.runtime.caches import allocate_caches
+from tqexport.runtime.steps import SeqChunk, build_step, ordered_inputs
+from tqexport.spec import ModelSpec
+
+DEFAULT_OPSET = 21
+SPEC_METADATA_KEY = "tqexport.spec"
+
+
+def _example(spec: ModelSpec):
+    """Step inputs whose dynamic sizes are all distinct and >= 2 (0/1 would specialize)."""
+    tables = [[1, 2, 3] for _ in spec.groups]
+    other = [[4, 5, 0] for _ in spec.groups]
+    chunks = [SeqChunk([1, 2, 3, 4], 0, tables, "all"), SeqChunk([5, 6, 7], 0, other, "none")]
+    step = build_step(spec, chunks)
+    caches = allocate_caches(spec, 7)
+    return step, caches
+
+
+def _dynamic_shapes(spec: ModelSpec):
+    dim = torch.export.Dim
+    tokens, seqs, logits = dim("T"), dim("num_seqs"), dim("L")
+    blocks = dim("num_blocks")
+    out = {
+        "input_ids": {0: tokens},
+        "positions": {0: tokens},
+        "seq_lens": {0: seqs},
+        "query_start_loc": {0: seqs + 1},
+        "logits_indices": {0: logits},
+    }
+    for g in spec.groups:
+        out[f"slot_mapping_{g.id}"] = {0: tokens}
+        out[f"block_tables_{g.id}"] = {0: seqs, 1: dim(f"max_blocks_{g.id}")}
+    for layer in spec.layers:
+        for t in layer.cache.tensors:
+            out[layer.onnx_input(t.role)] = {0: blocks}
+    return out
+
+
+def export_model(hf_model: torch.nn.Module, spec: ModelSpec, opset: int = DEFAULT_OPSET):
+    """The ONNX ModelProto (weights inside) for ``spec``; function bodies and metadata added."""
+    io = spec.graph_io()
+    names_in = [x["name"] for x in io["inputs"]]
+    names_out = [x["name"] for x in io["outputs"]]
+    step, caches = _example(spec)
+    inputs = ordered_inputs(spec, step, caches)
+    dyn = _dynamic_shapes(spec)
+    module = PagedCausalLM(hf_model, spec, mode="export")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            module,
+            tuple(inputs),
+            dynamic_shapes=(tuple(dyn[n] for n in names_in),),
+            input_names=names_in,
+            output_names=names_out,
+            dynamo=True,
+            opset_version=opset,
+            verbose=False,
+        )
+    model = program.model_proto
+    attach_functions(model, opset)
+    set_spec_metadata(model, spec)
+    return model
+
+
+def attach_functions(model: onnx.ModelProto, opset: int) -> None:
+    """Give every tqexport node its overload and add one function body per variant."""
+    seen: dict[tuple[str, str], None] = {}
+    for node in model.graph.node:
+        if node.domain != DOMAIN:
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+        node.overload = attrs["variant"]
+        key = (node.op_type, attrs["variant"])
+        if key in seen:
+            continue
+        seen[key] = None
+        fn, extra = function_for(node.op_type, attrs, opset)
+        model.functions.append(fn)
+        model.functions.extend(extra)
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
+
+
+def set_spec_metadata(model: onnx.ModelProto, spec: ModelSpec) -> None:
+    for prop in list(model.metadata_props):
+        if prop.key == SPEC_METADATA_KEY:
+            model.metadata_props.remove(prop)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = SPEC_METADATA_KEY, spec.to_json()
+
+
+def read_spec_metadata(model: onnx.ModelProto) -> str:
+    for prop in model.metadata_props:
+        if prop.key == SPEC_METADATA_KEY:
+            return prop.value
+    raise TQExportError(f"the ONNX model has no {SPEC_METADATA_KEY!r} metadata")

@@ -1,0 +1,98 @@
+"""Load a model with weights: HF directory, GGUF file (cached as safetensors), or built-in."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tqexport.errors import TQExportError
+from tqexport.kvquant.codecs import MODEL_DTYPES
+from tqexport.models import builtins
+from tqexport.models.config import describe_config, load_config
+from tqexport.resolve import ModelDescription
+
+TINY_SEED = 0
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    description: ModelDescription
+    tokenizer: object | None  # a transformers tokenizer, or None for tiny random models
+    generation_config: object | None
+
+
+def cache_dir() -> Path:
+    """Where converted GGUF weights are kept (``TQEXPORT_CACHE`` overrides)."""
+    base = os.environ.get("TQEXPORT_CACHE") or Path.home() / ".cache" / "tqexport"
+    return Path(base)
+
+
+def _gguf_cache(path: Path) -> Path:
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    return cache_dir() / "gguf" / f"{path.stem}-{key[:12]}"
+
+
+def _load_gguf(path: Path, dtype: torch.dtype):
+    """transformers' GGUF loader dequantizes every load; keep a safetensors copy instead."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    target = _gguf_cache(path)
+    if not (target / "config.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            GenerationConfig.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+        except (OSError, ValueError):
+            model.generation_config.save_pretrained(tmp)
+        tmp.rename(target)
+    return _load_dir(target, dtype)
+
+
+def _load_dir(path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    tok = None
+    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        tok = AutoTokenizer.from_pretrained(path)
+    try:
+        gen = GenerationConfig.from_pretrained(path)
+    except OSError:
+        gen = getattr(model, "generation_config", None)
+    return model, tok, gen
+
+
+def load_model(name: str, dtype: str | None = None) -> LoadedModel:
+    """Load MODEL for export: weights, tokenizer, generation config, and its description."""
+    from transformers import AutoModelForCausalLM
+
+    config, source = load_config(name)
+    desc = describe_config(
+        config, name if name in builtins.BUILTIN_NAMES else Path(name).name, source, dtype
+    )
+    torch_dtype = MODEL_DTYPES[desc.dtype]
+    if name in builtins.TINY_CONFIGS:
+        torch.manual_seed(TINY_SEED)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        tok, gen = None, model.generation_config
+    else:
+        path = builtins.smollm2_gguf() if name == "smollm2" else Path(name)
+        try:
+            if path.suffix == ".gguf":
+                model, tok, gen = _load_gguf(path, torch_dtype)
+            else:
+                model, tok, gen = _load_dir(path if path.is_dir() else path.parent, torch_dtype)
+        except (OSError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TQExportError(f"cannot load the weights of {name}: {first}") from None
+    model.eval()
+    return LoadedModel(model, desc, tok, gen)

@@ -1,0 +1,1 @@
+"""Per-layer custom ops: reference implementation, torch.library registration, attributes."""

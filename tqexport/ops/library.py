@@ -1,0 +1,77 @@
+"""torch.library registration of the two per-layer ops (eager torch backend).
+
+``tqexport::cache_write`` mutates the layer's cache tensors in place; ``tqexport::paged_attention``
+reads them. Both take the layer's own cache description (dtype name, model dtype, scales), never
+a global one. The CPU implementation is :mod:`tqexport.ops.reference`; fake implementations let
+torch.compile/export trace them. Export to ONNX does not go through these (see export/onnx.py).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from tqexport.kvquant.codecs import Codec, make_codec
+from tqexport.ops import reference
+
+
+@lru_cache(maxsize=256)
+def codec_for(
+    kv_cache_dtype: str, head_size: int, model_dtype: str, k_scale: float, v_scale: float
+) -> Codec:
+    return make_codec(
+        kv_cache_dtype, head_size, model_dtype=model_dtype, k_scale=k_scale, v_scale=v_scale
+    )
+
+
+@torch.library.custom_op("tqexport::cache_write", mutates_args=("cache",))
+def cache_write(
+    cache: list[torch.Tensor],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    model_dtype: str,
+    k_scale: float,
+    v_scale: float,
+) -> None:
+    codec = codec_for(kv_cache_dtype, k.shape[-1], model_dtype, k_scale, v_scale)
+    reference.write_cache_(codec, cache, k, v, slot_mapping)
+
+
+@torch.library.custom_op("tqexport::paged_attention", mutates_args=())
+def paged_attention(
+    q: torch.Tensor,
+    cache: list[torch.Tensor],
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    kv_cache_dtype: str,
+    model_dtype: str,
+    k_scale: float,
+    v_scale: float,
+    scale: float,
+    softcap: float,
+    window: int,
+) -> torch.Tensor:
+    """``softcap`` 0 = none, ``window`` 0 = full attention."""
+    codec = codec_for(kv_cache_dtype, q.shape[-1], model_dtype, k_scale, v_scale)
+    return reference.paged_attention(
+        codec,
+        q,
+        cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        positions,
+        scale=scale,
+        softcap=softcap or None,
+        window=window or None,
+    )
+
+
+@paged_attention.register_fake
+def _(q, cache, block_tables, seq_lens, query_start_loc, positions, *args):
+    return torch.empty_like(q)

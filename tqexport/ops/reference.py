@@ -1,0 +1,119 @@
+"""Reference CacheWrite and PagedAttention: pure torch, vectorized, exportable.
+
+These functions are the semantics of the two per-layer ops. The torch backend runs them, and
+the ONNX function bodies are these same functions exported to standard ops, so the graph and
+the reference cannot drift apart. Written for export: no bitcasts, no data-dependent shapes,
+masks applied with ``where`` (never by adding -inf: 0 x NaN from a recycled block is NaN).
+
+Step contract (flattened tokens, vLLM style), for one layer of one cache group:
+``slot_mapping [T]`` int64 (block * block_size + offset; < 0 = padding, written to the null
+block 0), ``block_tables [S, max_blocks]`` int32 (0 = null block), ``seq_lens [S]`` int32 (tokens
+cached after this step's write), ``query_start_loc [S+1]`` int32, ``positions [T]`` int64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tqexport.kvquant.codecs import Codec
+
+
+def write_cache(
+    codec: Codec,
+    cache: list[torch.Tensor],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> list[torch.Tensor]:
+    """Encode this step's K/V ``[T, kv_heads, D]`` and scatter them into a copy of the cache.
+
+    Cache tensors are ``[num_blocks, block_size, kv_heads(, X)]`` in ``codec.tensors`` order.
+    Padding tokens (slot < 0) land in the null block. TurboQuant padding bytes keep their value.
+    """
+    block_size = cache[0].shape[1]
+    slots = torch.where(slot_mapping < 0, torch.zeros_like(slot_mapping), slot_mapping)
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots - blocks * block_size
+    encoded = codec.encode(k, v)
+    out = []
+    for fmt, tensor in zip(codec.tensors, cache, strict=True):
+        new = encoded[fmt.role].to(tensor.dtype)
+        if fmt.width is not None and new.shape[-1] < tensor.shape[-1]:
+            new = torch.cat([new, tensor[blocks, offsets, :, new.shape[-1] :]], dim=-1)
+        out.append(tensor.index_put((blocks, offsets), new))
+    return out
+
+
+def write_cache_(codec, cache, k, v, slot_mapping) -> None:
+    """In-place :func:`write_cache` (the torch backend's form; export uses the functional one)."""
+    for tensor, new in zip(cache, write_cache(codec, cache, k, v, slot_mapping), strict=True):
+        tensor.copy_(new)
+
+
+def paged_attention(
+    codec: Codec,
+    q: torch.Tensor,
+    cache: list[torch.Tensor],
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention of queries ``[T, heads, D]`` over the keys each may see, read from the cache.
+
+    Every sequence's blocks are gathered and decoded; each query attends over the
+    concatenation of all sequences' keys with a mask that admits only its own sequence, keys
+    at positions ``<= its position`` and, with a window W, ``> position - W``. Queries that see
+    nothing (padding) return zeros. Output is ``[T, heads, D]`` in q's dtype.
+    """
+    num_seqs, max_blocks = block_tables.shape
+    block_size = cache[0].shape[1]
+    ctx = max_blocks * block_size
+    tables = block_tables.to(torch.int64)
+    gathered = {
+        fmt.role: t[tables].flatten(1, 2) for fmt, t in zip(codec.tensors, cache, strict=True)
+    }
+    keys, values = codec.decode(gathered)  # [S, C, KVH, D] float32
+    kv_heads, head_size = keys.shape[-2], keys.shape[-1]
+
+    key_pos = torch.arange(ctx, device=q.device)
+    key_block = torch.repeat_interleave(tables, block_size, dim=1)  # [S, C]
+    valid = (key_pos.unsqueeze(0) < seq_lens.unsqueeze(1).to(torch.int64)) & (key_block != 0)
+    keys = torch.where(valid[..., None, None], keys, torch.zeros_like(keys))
+    values = torch.where(valid[..., None, None], values, torch.zeros_like(values))
+
+    tokens = q.shape[0]
+    token_idx = torch.arange(tokens, device=q.device)
+    ends = query_start_loc[1:].to(torch.int64)
+    starts = query_start_loc[:-1].to(torch.int64)
+    in_seq = (token_idx.unsqueeze(1) >= starts) & (token_idx.unsqueeze(1) < ends)  # [T, S]
+    qpos = positions.to(torch.int64).unsqueeze(1)  # [T, 1]
+    visible_pos = key_pos.unsqueeze(0) <= qpos  # [T, C]
+    if window is not None:
+        visible_pos = visible_pos & (key_pos.unsqueeze(0) > qpos - window)
+    # [T, S, C]: own sequence, causal, in window, and a real cached key
+    visible = in_seq.unsqueeze(2) & visible_pos.unsqueeze(1) & valid.unsqueeze(0)
+    visible = visible.flatten(1, 2)  # [T, S*C]
+
+    groups = q.shape[1] // kv_heads
+    qg = q.float().reshape(tokens, kv_heads, groups, head_size).permute(1, 0, 2, 3)
+    qg = qg.reshape(kv_heads, tokens * groups, head_size)  # [KVH, T*G, D]
+    k_all = keys.reshape(num_seqs * ctx, kv_heads, head_size).permute(1, 2, 0)  # [KVH, D, J]
+    v_all = values.reshape(num_seqs * ctx, kv_heads, head_size).permute(1, 0, 2)  # [KVH, J, D]
+    scores = torch.matmul(qg, k_all) * scale  # [KVH, T*G, J]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.reshape(kv_heads, tokens, groups, num_seqs * ctx)
+    mask = visible.unsqueeze(0).unsqueeze(2)  # [1, T, 1, J]
+    scores = torch.where(mask, scores, torch.full_like(scores, float("-inf")))
+    any_visible = visible.any(dim=1)  # [T]
+    scores = torch.where(any_visible[None, :, None, None], scores, torch.zeros_like(scores))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(mask, probs, torch.zeros_like(probs))
+    out = torch.matmul(probs.reshape(kv_heads, tokens * groups, -1), v_all)  # [KVH, T*G, D]
+    out = out.reshape(kv_heads, tokens, groups, head_size).permute(1, 0, 2, 3)
+    return out.reshape(tokens, kv_heads * groups, head_size).to(q.dtype)

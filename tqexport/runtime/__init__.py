@@ -1,0 +1,1 @@
+"""Serving an artifact: cache allocation from the spec, step building, backends."""
