@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -19,7 +20,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 # Tables are wider than 80 columns; a pipe or CI log gets the full width instead of ellipses.
-out = Console(width=None if sys.stdout.isatty() else 160)
+console = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 
@@ -91,9 +92,9 @@ def dtypes(
             f"{r['bits_per_element']:.2f}",
             f"{r['compression_vs_bf16']:.2f}x",
         )
-    out.print(t)
+    console.print(t)
     for note in notes:
-        out.print(note, highlight=False)
+        console.print(note, highlight=False)
 
 
 SkipOption = Annotated[
@@ -160,21 +161,151 @@ def plan(
             str(la.group),
             la.skipped_by or "",
         )
-    out.print(t)
+    console.print(t)
     groups = ", ".join(
         f"group {g.id}: {'full' if g.window is None else f'window {g.window}'} "
         f"({len(g.layers)} layers)"
         for g in spec.groups
     )
     ratio = spec.bf16_bytes_per_token / spec.bytes_per_token
-    out.print(
+    console.print(
         f"cache groups: {groups}\n"
         f"KV bytes per token, all layers: {_fmt_bytes(spec.bytes_per_token)}; "
         f"an all-bf16 cache: {_fmt_bytes(spec.bf16_bytes_per_token)} ({ratio:.2f}x this plan)",
         highlight=False,
     )
     if any(la.skipped_by == "turboquant boundary" for la in spec.layers):
-        out.print("TurboQuant boundary layers stay unquantized; --no-boundary quantizes them.")
+        console.print("TurboQuant boundary layers stay unquantized; --no-boundary quantizes them.")
+
+
+@app.command()
+def build(
+    model: Annotated[str, typer.Argument(help="HF dir, .gguf, or built-in name.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Artifact directory to create.")],
+    kv_cache_dtype: Annotated[str, typer.Option(help="vLLM kv-cache dtype name.")] = "auto",
+    skip_layers: SkipOption = None,
+    boundary: Annotated[
+        bool, typer.Option(help="TurboQuant boundary protection (first/last 2 layers).")
+    ] = True,
+    block_size: Annotated[int, typer.Option(help="Tokens per cache block.")] = 16,
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="float32 | float16 | bfloat16 (bf16 is a GPU target). Default: float32."),
+    ] = None,
+    opset: Annotated[int, typer.Option(help="ONNX opset (21..23).")] = 21,
+    force: Annotated[bool, typer.Option(help="Replace an existing artifact directory.")] = False,
+    kv_scales: Annotated[
+        str,
+        typer.Option(
+            help="fp8/nvfp4 per-layer scales: a number (1.0, vLLM's default) or calibrate."
+        ),
+    ] = "1.0",
+    calibration_text: Annotated[
+        Path | None,
+        typer.Option(help="Text file for --kv-scales calibrate (default: pydoc topics)."),
+    ] = None,
+):
+    """Export MODEL with per-layer KV caches: model.onnx + tqexport.json + tokenizer."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from tqexport.export.artifact import BuildOptions, build_artifact
+
+    if not 21 <= opset <= 23:
+        raise TQExportError(f"--opset must be 21..23 (fp8 casts need 21+), got {opset}")
+    options = BuildOptions(
+        kv_cache_dtype=kv_cache_dtype,
+        skip_layers=skip_layers or [],
+        boundary=boundary,
+        block_size=block_size,
+        dtype=dtype or "float32",
+        opset=opset,
+        force=force,
+        kv_scales=kv_scales,
+        calibration_text=calibration_text,
+    )
+    labels = {
+        "load": "loading weights",
+        "calibrate": "calibrating kv scales",
+        "export": "exporting ONNX",
+        "save": "saving",
+    }
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err
+    ) as bar:
+        current = {}
+
+        def stage(name):
+            for task in current.values():
+                bar.update(task, completed=1, total=1)
+            current[name] = bar.add_task(labels[name], total=None)
+
+        result = build_artifact(model, out, options, progress=stage)
+        for task in current.values():
+            bar.update(task, completed=1, total=1)
+    for w in result.warnings:
+        err.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
+    spec = result.spec
+    if spec.dtype == "bfloat16":
+        err.print(
+            "note: bfloat16 artifacts are for GPUs; ONNX Runtime's CPU provider has no bf16 MatMul."
+        )
+    t = Table(title=f"built {result.out_dir}")
+    t.add_column("kv dtype")
+    t.add_column("mode")
+    t.add_column("layers")
+    t.add_column("bytes/token")
+    by_dtype: dict[str, list] = {}
+    for la in spec.layers:
+        by_dtype.setdefault(la.kv_cache_dtype, []).append(la)
+    for name, layers in by_dtype.items():
+        t.add_row(
+            name,
+            layers[0].mode.name,
+            ",".join(str(la.index) for la in layers),
+            str(sum(la.cache.bytes_per_token for la in layers)),
+        )
+    console.print(t)
+    console.print(
+        f"KV bytes per token: {spec.bytes_per_token} (all-bf16: {spec.bf16_bytes_per_token}, "
+        f"{spec.bf16_bytes_per_token / spec.bytes_per_token:.2f}x); "
+        f"artifact size: {_fmt_bytes(result.size_bytes)}",
+        highlight=False,
+    )
+
+
+@app.command()
+def parity(
+    artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
+    steps: Annotated[int, typer.Option(help="Decode steps after the prefill.")] = 4,
+    prompt_len: Annotated[int, typer.Option(help="Longest prompt; others are shorter.")] = 24,
+    batch: Annotated[int, typer.Option(help="Number of sequences.")] = 3,
+    seed: Annotated[int, typer.Option(help="Seed for the random prompts.")] = 0,
+):
+    """Run the artifact on ONNX Runtime and the torch reference side by side; exit 1 on mismatch."""
+    from tqexport.runtime.artifact import open_artifact
+    from tqexport.runtime.parity import run_parity
+
+    report = run_parity(open_artifact(artifact), steps, prompt_len, batch, seed)
+    t = Table(title="logits: ONNX Runtime vs torch reference")
+    for col in ("step", "tokens", "max abs err", "max rel err", "ok"):
+        t.add_column(col)
+    for s in report.steps:
+        t.add_row(str(s.step), str(s.tokens), f"{s.max_abs:.2e}", f"{s.max_rel:.2e}", _ok(s.ok))
+    console.print(t)
+    c = Table(title="caches after the last step")
+    for col in ("tensor", "dtype", "max abs diff", "bytes differing", "ok"):
+        c.add_column(col)
+    for r in report.caches:
+        differ = f"{r.bytes_differing}/{r.bytes_written}" if r.dtype == "uint8" else "-"
+        c.add_row(r.name, r.dtype, f"{r.max_abs:.2e}", differ, _ok(r.ok))
+    console.print(c)
+    console.print("parity: [green]PASS[/green]" if report.ok else "parity: [red]FAIL[/red]")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _ok(ok: bool) -> str:
+    return "[green]yes[/green]" if ok else "[red]NO[/red]"
 
 
 def main() -> None:

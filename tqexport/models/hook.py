@@ -62,6 +62,7 @@ class StepContext:
     step: StepInputs
     caches: dict[int, list[torch.Tensor]]
     mode: str = "inplace"
+    observer: object | None = None  # called as observer(layer, k, v) before each write
     new_caches: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     hits: dict[int, int] = field(default_factory=dict)
 
@@ -122,6 +123,8 @@ def tqexport_attention(module, query, key, value, attention_mask, **kwargs):
     block_tables = step.block_tables[layer.group]
     cache = ctx.caches[layer.index]
     c = layer.cache
+    if ctx.observer is not None:
+        ctx.observer(layer, k, v)
     if ctx.mode == "export":
         out, new_cache = _emit_nodes(ctx, layer, q, k, v, cache, slot_mapping, block_tables)
         ctx.new_caches[layer.index] = new_cache

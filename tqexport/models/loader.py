@@ -40,6 +40,7 @@ def _gguf_cache(path: Path) -> Path:
 
 def _load_gguf(path: Path, dtype: torch.dtype):
     """transformers' GGUF loader dequantizes every load; keep a safetensors copy instead."""
+    from safetensors.torch import save_model as save_safetensors
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     target = _gguf_cache(path)
@@ -47,7 +48,12 @@ def _load_gguf(path: Path, dtype: torch.dtype):
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
+        tmp.mkdir(parents=True, exist_ok=True)
+        # The weights are dequantized already; drop the GGUF quantizer so they save as-is.
+        if hasattr(model.config, "quantization_config"):
+            delattr(model.config, "quantization_config")
+        model.config.save_pretrained(tmp)
+        save_safetensors(model, str(tmp / "model.safetensors"))
         tok.save_pretrained(tmp)
         try:
             GenerationConfig.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)

@@ -16,11 +16,14 @@ FIXED_INPUTS = ("input_ids", "positions", "seq_lens", "query_start_loc", "logits
 
 
 class PagedCausalLM(torch.nn.Module):
-    def __init__(self, hf_model: torch.nn.Module, spec: ModelSpec, mode: str = "functional"):
+    def __init__(
+        self, hf_model: torch.nn.Module, spec: ModelSpec, mode: str = "functional", observer=None
+    ):
         super().__init__()
         self.model = hf_model
         self.spec = spec
         self.mode = mode
+        self.observer = observer
         self.num_heads = int(spec.model["num_heads"])
         hf_model.config._attn_implementation = ATTENTION_NAME
         for sub in hf_model.modules():
@@ -49,7 +52,9 @@ class PagedCausalLM(torch.nn.Module):
 
     def forward(self, *inputs):
         fixed, step, caches = self.split_inputs(inputs)
-        ctx = StepContext(self.spec, self.num_heads, step, caches, mode=self.mode)
+        ctx = StepContext(
+            self.spec, self.num_heads, step, caches, mode=self.mode, observer=self.observer
+        )
         out = self.model(
             input_ids=fixed["input_ids"].unsqueeze(0),
             position_ids=fixed["positions"].unsqueeze(0),

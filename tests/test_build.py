@@ -1,0 +1,196 @@
+"""tqexport build: artifacts for every kv dtype on a tiny model, read back and run on ORT."""
+
+import json
+import subprocess
+import sys
+
+import onnx
+import pytest
+
+from tqexport.errors import TQExportError
+from tqexport.export.artifact import BuildOptions, build_artifact
+from tqexport.kvquant.modes import kv_cache_dtype_names
+from tqexport.runtime.artifact import open_artifact
+from tqexport.runtime.parity import run_parity
+
+MATRIX = [("tiny-llama", d, []) for d in kv_cache_dtype_names() if d != "bfloat16"] + [
+    ("tiny-gemma2", "turboquant_4bit_nc", ["sw"]),
+    ("tiny-gemma3", "fp8", []),
+    ("tiny-mistral", "int8_per_token_head", []),
+    ("tiny-qwen3", "turboquant_k8v4", []),
+    ("tiny-llama-d128", "turboquant_3bit_nc", []),
+    ("tiny-llama-d80", "turboquant_k8v4", []),
+    ("tiny-llama-d80", "nvfp4", []),
+]
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("artifacts")
+    built = {}
+
+    def get(model, dtype, skip=(), **kw):
+        key = (model, dtype, tuple(skip), tuple(sorted(kw.items())))
+        if key not in built:
+            out = root / f"{model}-{dtype}-{len(built)}"
+            opts = BuildOptions(kv_cache_dtype=dtype, skip_layers=list(skip), boundary=False, **kw)
+            built[key] = build_artifact(model, out, opts).out_dir
+        return built[key]
+
+    return get
+
+
+@pytest.mark.parametrize("model,dtype,skip", MATRIX, ids=lambda x: str(x))
+def test_parity_ort_vs_reference(artifacts, model, dtype, skip):
+    art = open_artifact(artifacts(model, dtype, skip))
+    quantized = [la for la in art.spec.layers if la.kv_cache_dtype == dtype]
+    assert quantized, "some layers must use the requested dtype"
+    report = run_parity(art, steps=3, prompt_len=20, batch=3)
+    assert report.ok, (report.steps, [c for c in report.caches if not c.ok])
+
+
+def _node_dtypes(model_path):
+    graph = onnx.load(str(model_path), load_external_data=False)
+    out = {}
+    for node in graph.graph.node:
+        if node.domain == "tqexport":
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            assert attrs["plugin_namespace"] == b"tqexport"
+            assert node.overload == attrs["variant"].decode()
+            out.setdefault(attrs["layer"], set()).add(
+                (node.op_type, attrs["kv_cache_dtype"].decode())
+            )
+    return out, graph
+
+
+def test_skip_sw_on_gemma_is_in_spec_and_graph(artifacts):
+    art = open_artifact(artifacts("tiny-gemma2", "turboquant_4bit_nc", ["sw"]))
+    nodes, graph = _node_dtypes(art.model_file)
+    inputs = {i.name: i.type.tensor_type.elem_type for i in graph.graph.input}
+    for la in art.spec.layers:
+        expected = "auto" if la.window else "turboquant_4bit_nc"
+        assert la.kv_cache_dtype == expected
+        assert nodes[la.index] == {("CacheWrite", expected), ("PagedAttention", expected)}
+        if la.window:
+            assert inputs[f"cache.{la.index}.k"] == onnx.TensorProto.FLOAT
+            assert f"cache.{la.index}.kv" not in inputs
+        else:
+            assert inputs[f"cache.{la.index}.kv"] == onnx.TensorProto.UINT8
+    meta = {p.key: p.value for p in graph.metadata_props}
+    assert json.loads(meta["tqexport.spec"]) == json.loads((art.path / "tqexport.json").read_text())
+
+
+def test_graph_shape_per_layer(artifacts):
+    """Each cache input feeds only its CacheWrite, whose output is the graph output itself."""
+    art = open_artifact(artifacts("tiny-llama", "fp8"))
+    graph = onnx.load(str(art.model_file), load_external_data=False).graph
+    outputs = {o.name for o in graph.output}
+    for la in art.spec.layers:
+        for t in la.cache.tensors:
+            consumers = [n for n in graph.node if la.onnx_input(t.role) in n.input]
+            assert [n.op_type for n in consumers] == ["CacheWrite"]
+            assert la.onnx_output(t.role) in consumers[0].output
+            assert la.onnx_output(t.role) in outputs
+    fns = {
+        (f.name, f.overload)
+        for f in onnx.load(str(art.model_file), load_external_data=False).functions
+    }
+    assert {name for name, _ in fns} == {"CacheWrite", "PagedAttention"}
+
+
+def test_calibrated_scales_land_in_spec_and_nodes(artifacts):
+    art = open_artifact(artifacts("tiny-llama", "fp8", (), kv_scales="calibrate"))
+    scales = [(la.cache.k_scale, la.cache.v_scale) for la in art.spec.layers]
+    assert len(set(scales)) == len(scales) and all(k != 1.0 for k, _ in scales)
+    assert run_parity(art, steps=1, prompt_len=12, batch=2).ok
+
+
+def cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "tqexport", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["build", "no/such/model", "-o", "{out}"], "not found"),
+        (
+            ["build", "tiny-llama", "-o", "{out}", "--kv-cache-dtype", "fp9"],
+            "unknown kv-cache dtype",
+        ),
+        (["build", "tiny-llama", "-o", "{out}", "--skip-layers", "3-x"], "malformed pattern"),
+        (["build", "tiny-llama", "-o", "{out}", "--skip-layers", "99"], "outside the model"),
+        (
+            ["build", "tiny-llama-d80", "-o", "{out}", "--kv-cache-dtype", "turboquant_4bit_nc"],
+            "turboquant_k8v4",
+        ),
+        (["build", "tiny-llama", "-o", "{out}", "--kv-scales", "big"], "--kv-scales"),
+        (["build", "{gpt2}", "-o", "{out}"], "unsupported architecture"),
+    ],
+)
+def test_bad_build_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message):
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    out = tmp_path / "out"
+    r = cli(*[a.format(out=out, gpt2=gpt2) for a in args])
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines[-1].startswith("error: ") and message in lines[-1], r.stderr
+    assert "Traceback" not in r.stderr
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2"]
+
+
+def test_existing_output_needs_force(tmp_path, artifacts):
+    existing = artifacts("tiny-llama", "auto")
+    r = cli("build", "tiny-llama", "-o", str(existing))
+    assert r.returncode == 2 and "--force" in r.stderr
+    with pytest.raises(TQExportError, match="--force"):
+        build_artifact("tiny-llama", existing, BuildOptions())
+
+
+def corrupt(tmp_path, artifacts, edit):
+    import shutil
+
+    src = artifacts("tiny-llama", "fp8")
+    dst = tmp_path / "a"
+    shutil.copytree(src, dst)
+    edit(dst)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda d: (d / "tqexport.json").unlink(), "has no tqexport.json"),
+        (lambda d: (d / "tqexport.json").write_text("{oops"), "not valid JSON"),
+        (lambda d: (d / "model.onnx").unlink(), "has no model.onnx"),
+        (
+            lambda d: (d / "model.onnx").write_bytes((d / "model.onnx").read_bytes()[:5000]),
+            "truncated",
+        ),
+        (lambda d: (d / "model.onnx.data").write_bytes(b"x"), "missing or truncated"),
+        (
+            lambda d: (d / "tqexport.json").write_text(
+                (d / "tqexport.json")
+                .read_text()
+                .replace('"schema_version": 1', '"schema_version": 9')
+            ),
+            "schema version 9",
+        ),
+        (
+            lambda d: (d / "tqexport.json").write_text(
+                (d / "tqexport.json").read_text().replace('"fp8"', '"fp8_e5m2"')
+            ),
+            "differs from the spec embedded",
+        ),
+    ],
+)
+def test_damaged_artifacts_fail_clearly(tmp_path, artifacts, edit, message):
+    path = corrupt(tmp_path, artifacts, edit)
+    with pytest.raises(TQExportError, match=message):
+        open_artifact(path)
+    r = cli("parity", str(path))
+    assert r.returncode == 2 and message.split()[0] in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,206 @@
+"""``tqexport build``: model -> artifact directory (graph, spec, tokenizer), written atomically.
+
+Layout of an artifact:
+``model.onnx`` + ``model.onnx.data`` (weights), ``tqexport.json`` (the spec, also embedded in the
+graph's metadata), tokenizer files, chat template and ``generation_config.json`` when the model
+has them. Everything is written into a temporary sibling directory that is renamed at the end,
+so a failed build leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+import torch
+
+from tqexport.errors import TQExportError
+from tqexport.export.onnx import DEFAULT_OPSET, export_model
+from tqexport.models.config import describe_model
+from tqexport.models.loader import LoadedModel, load_model
+from tqexport.resolve import resolve
+from tqexport.spec import ModelSpec
+
+MODEL_FILE = "model.onnx"
+WEIGHTS_FILE = "model.onnx.data"
+SPEC_FILE = "tqexport.json"
+#: vLLM's calculate_kv_scales: k_scale = max|k| / 200, v_scale = max|v| / 100.
+K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
+
+
+@dataclass
+class BuildOptions:
+    kv_cache_dtype: str = "auto"
+    skip_layers: Sequence[str] = ()
+    boundary: bool = True
+    block_size: int = 16
+    dtype: str | None = None
+    opset: int = DEFAULT_OPSET
+    force: bool = False
+    kv_scales: str = "1.0"  # a number, or "calibrate"
+    calibration_text: Path | None = None
+
+
+@dataclass
+class BuildResult:
+    out_dir: Path
+    spec: ModelSpec
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.out_dir.iterdir() if p.is_file())
+
+
+def _check_out_dir(out_dir: Path, force: bool) -> None:
+    if out_dir.exists() and not force:
+        raise TQExportError(f"{out_dir} already exists; pass --force to replace it")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise TQExportError(f"{out_dir} exists and is not a directory")
+    if not out_dir.parent.exists():
+        raise TQExportError(f"parent directory {out_dir.parent} does not exist")
+
+
+def _parse_scales(value: str) -> float | None:
+    if value == "calibrate":
+        return None
+    try:
+        scale = float(value)
+    except ValueError:
+        raise TQExportError(f"--kv-scales must be a number or 'calibrate', got {value!r}") from None
+    if not scale > 0:
+        raise TQExportError(f"--kv-scales must be positive, got {value}")
+    return scale
+
+
+def default_calibration_text() -> str:
+    """English text that ships with every Python: the first pydoc topics, joined."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics)[:8])
+
+
+def calibrate_scales(lm: LoadedModel, spec: ModelSpec, text: str, max_tokens: int = 512):
+    """Per-layer (k_scale, v_scale) from one prefill of ``text``, vLLM's rule (max|x| / range)."""
+    from tqexport.models.paged import PagedCausalLM
+    from tqexport.runtime.caches import allocate_caches
+    from tqexport.runtime.steps import SeqChunk, build_step, ordered_inputs
+
+    if lm.tokenizer is not None:
+        tokens = lm.tokenizer(text)["input_ids"][:max_tokens]
+    else:
+        vocab = int(spec.model.get("vocab_size") or 256)
+        tokens = [b % vocab for b in text.encode()[:max_tokens]]
+    amax: dict[int, list[float]] = {}
+
+    def observe(layer, k, v):
+        amax[layer.index] = [float(k.abs().max()), float(v.abs().max())]
+
+    blocks = -(-len(tokens) // spec.block_size)
+    caches = allocate_caches(spec, blocks + 1)
+    tables = [list(range(1, blocks + 1)) for _ in spec.groups]
+    step = build_step(spec, [SeqChunk(tokens, 0, tables, "last")])
+    module = PagedCausalLM(lm.model, spec, mode="functional", observer=observe)
+    with torch.no_grad():
+        module(*ordered_inputs(spec, step, caches))
+    return {
+        i: (max(k / K_SCALE_RANGE, 1e-8), max(v / V_SCALE_RANGE, 1e-8))
+        for i, (k, v) in amax.items()
+    }
+
+
+def _save_tokenizer(lm: LoadedModel, target: Path) -> None:
+    if lm.tokenizer is not None:
+        lm.tokenizer.save_pretrained(target)
+    if lm.generation_config is not None:
+        lm.generation_config.save_pretrained(target)
+
+
+def build_artifact(
+    model: str,
+    out_dir: Path,
+    options: BuildOptions,
+    progress: Callable[[str], None] = lambda stage: None,
+) -> BuildResult:
+    """Load, resolve, export and save; raises TQExportError on bad input before heavy work."""
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir, options.force)
+    fixed_scale = _parse_scales(options.kv_scales)
+    if options.calibration_text is not None and not options.calibration_text.is_file():
+        raise TQExportError(f"--calibration-text {options.calibration_text} is not a file")
+    # Resolve from the config first: bad dtypes and skip patterns fail before weights load.
+    desc = describe_model(model, options.dtype)
+    resolved = resolve(
+        desc,
+        options.kv_cache_dtype,
+        options.skip_layers,
+        boundary=options.boundary,
+        block_size=options.block_size,
+    )
+    progress("load")
+    lm = load_model(model, options.dtype)
+    scales = None
+    if fixed_scale is None:
+        progress("calibrate")
+        text = (
+            options.calibration_text.read_text()
+            if options.calibration_text
+            else default_calibration_text()
+        )
+        scales = calibrate_scales(lm, resolved.spec, text)
+    elif fixed_scale != 1.0:
+        scales = {la.index: (fixed_scale, fixed_scale) for la in desc.layers}
+    resolved = resolve(
+        lm.description,
+        options.kv_cache_dtype,
+        options.skip_layers,
+        boundary=options.boundary,
+        block_size=options.block_size,
+        kv_scales=scales,
+    )
+    spec = resolved.spec
+    spec = ModelSpec(
+        model={**spec.model, "path": _source_path(model)},
+        dtype=spec.dtype,
+        block_size=spec.block_size,
+        layers=spec.layers,
+        groups=spec.groups,
+        request={**spec.request, "kv_scales": options.kv_scales, "opset": options.opset},
+        io=spec.graph_io(),
+    )
+    progress("export")
+    graph = export_model(lm.model, spec, options.opset)
+    progress("save")
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        onnx.save_model(
+            graph,
+            tmp / MODEL_FILE,
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=WEIGHTS_FILE,
+        )
+        onnx.checker.check_model(str(tmp / MODEL_FILE), full_check=True)
+        (tmp / SPEC_FILE).write_text(spec.to_json() + "\n")
+        _save_tokenizer(lm, tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return BuildResult(out_dir, spec, list(resolved.warnings))
+
+
+def _source_path(model: str) -> str:
+    """What parity needs to reload the source model: a built-in name or an absolute path."""
+    from tqexport.models.builtins import BUILTIN_NAMES
+
+    return model if model in BUILTIN_NAMES else str(Path(model).resolve())
