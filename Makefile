@@ -20,9 +20,13 @@ test: install
 	$(BIN)/python -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; exit $$rc
 
+DEMO_DIR := out/smollm2-turboquant_4bit_nc
+
 demo: install
 	$(BIN)/tqexport dtypes --head-size 64
 	$(BIN)/tqexport plan smollm2 --kv-cache-dtype turboquant_4bit_nc
+	$(BIN)/tqexport build smollm2 --kv-cache-dtype turboquant_4bit_nc -o $(DEMO_DIR) --force
+	$(BIN)/tqexport parity $(DEMO_DIR) --steps 4 --batch 3
 
 bench: install
 	$(BIN)/python benchmarks/codec_throughput.py
@@ -32,4 +36,4 @@ lint: install
 	$(BIN)/ruff format --check tqexport tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build out *.egg-info

@@ -194,3 +194,16 @@ def test_damaged_artifacts_fail_clearly(tmp_path, artifacts, edit, message):
         open_artifact(path)
     r = cli("parity", str(path))
     assert r.returncode == 2 and message.split()[0] in r.stderr and "Traceback" not in r.stderr
+
+
+def test_smollm2_boundary_3_read_back(artifacts):
+    art = open_artifact(artifacts("smollm2", "turboquant_k3v4_nc", ["boundary:3"]))
+    nodes, graph = _node_dtypes(art.model_file)
+    quantized = [la.index for la in art.spec.layers if la.mode.is_quantized]
+    assert quantized == list(range(3, 27))
+    for la in art.spec.layers:
+        dtype = "turboquant_k3v4_nc" if la.index in quantized else "auto"
+        assert nodes[la.index] == {("CacheWrite", dtype), ("PagedAttention", dtype)}
+    assert (art.path / "tokenizer.json").is_file() or (art.path / "tokenizer_config.json").is_file()
+    assert (art.path / "generation_config.json").is_file()
+    assert run_parity(art, steps=1, prompt_len=16, batch=2).ok

@@ -132,3 +132,13 @@ def test_strict_hook_rejects_unknown_attention_arguments(models):
         tqexport_attention(module, q, q, q, None, tq_step=Ctx(), sliding_window=4)
     with pytest.raises(UnsupportedModelError, match="scale"):
         tqexport_attention(module, q, q, q, None, tq_step=Ctx(), scaling=1.0)
+
+
+def test_hook_reproduces_transformers_on_smollm2(models):
+    lm = get(models, "smollm2")
+    spec = resolve(lm.description, "auto").spec
+    text = "The quick brown fox jumps over the lazy dog. " * 8
+    tokens = lm.tokenizer(text)["input_ids"][:64]
+    assert len(tokens) == 64
+    got, _ = run_chunks(lm, spec, tokens, 64, num_blocks=6)
+    torch.testing.assert_close(got, eager_logits(lm.model, tokens), atol=1e-4, rtol=1e-4)

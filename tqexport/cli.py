@@ -286,19 +286,25 @@ def parity(
     from tqexport.runtime.parity import run_parity
 
     report = run_parity(open_artifact(artifact), steps, prompt_len, batch, seed)
-    t = Table(title="logits: ONNX Runtime vs torch reference")
-    for col in ("step", "tokens", "max abs err", "max rel err", "ok"):
+    judged = "judged" if report.logits_judged else "not judged: quantized layers, see per-layer"
+    t = Table(title=f"end-to-end logits, ONNX Runtime vs torch reference ({judged})")
+    for col in ("step", "max abs err", "detail", "within 1e-4"):
         t.add_column(col)
-    for s in report.steps:
-        t.add_row(str(s.step), str(s.tokens), f"{s.max_abs:.2e}", f"{s.max_rel:.2e}", _ok(s.ok))
+    for c in report.logits:
+        t.add_row(c.what, f"{c.max_abs:.2e}", c.detail, _ok(c.ok))
     console.print(t)
-    c = Table(title="caches after the last step")
-    for col in ("tensor", "dtype", "max abs diff", "bytes differing", "ok"):
-        c.add_column(col)
-    for r in report.caches:
-        differ = f"{r.bytes_differing}/{r.bytes_written}" if r.dtype == "uint8" else "-"
-        c.add_row(r.name, r.dtype, f"{r.max_abs:.2e}", differ, _ok(r.ok))
-    console.print(c)
+    bad = [c for c in report.layers if not c.ok]
+    t = Table(title="per layer: reference ops on ORT's own q/k/v (cache bytes, attention)")
+    for col in ("check", "max abs err", "detail", "ok"):
+        t.add_column(col)
+    last_step = [c for c in report.layers if c.what.startswith(report.logits[-1].what + " ")]
+    for c in bad or last_step:
+        t.add_row(c.what, f"{c.max_abs:.2e}", c.detail, _ok(c.ok))
+    console.print(t)
+    console.print(
+        f"{len(report.layers) - len(bad)}/{len(report.layers)} layer-steps agree "
+        f"({'showing failures' if bad else 'showing the last step'})"
+    )
     console.print("parity: [green]PASS[/green]" if report.ok else "parity: [red]FAIL[/red]")
     if not report.ok:
         raise typer.Exit(1)
