@@ -27,6 +27,8 @@ demo: install
 	$(BIN)/tqexport plan smollm2 --kv-cache-dtype turboquant_4bit_nc
 	$(BIN)/tqexport build smollm2 --kv-cache-dtype turboquant_4bit_nc -o $(DEMO_DIR) --force
 	$(BIN)/tqexport parity $(DEMO_DIR) --steps 4 --batch 3
+	$(BIN)/tqexport inspect $(DEMO_DIR) --kv-cache-memory 256MiB
+	$(BIN)/tqexport run $(DEMO_DIR) --prompt "What is the capital of France?" --max-tokens 48
 
 bench: install
 	$(BIN)/python benchmarks/codec_throughput.py

@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+from tqexport.export.artifact import BuildOptions, build_artifact
+
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
@@ -12,3 +14,19 @@ def pytest_runtest_makereport(item, call):
     if os.environ.get("CI") and report.skipped and "gpu" not in item.keywords:
         report.outcome = "failed"
         report.longrepr = f"skipped in CI without being GPU-only: {report.longrepr}"
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("artifacts")
+    built = {}
+
+    def get(model, dtype, skip=(), **kw):
+        key = (model, dtype, tuple(skip), tuple(sorted(kw.items())))
+        if key not in built:
+            out = root / f"{model}-{dtype}-{len(built)}"
+            opts = BuildOptions(kv_cache_dtype=dtype, skip_layers=list(skip), boundary=False, **kw)
+            built[key] = build_artifact(model, out, opts).out_dir
+        return built[key]
+
+    return get

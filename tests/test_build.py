@@ -24,22 +24,6 @@ MATRIX = [("tiny-llama", d, []) for d in kv_cache_dtype_names() if d != "bfloat1
 ]
 
 
-@pytest.fixture(scope="session")
-def artifacts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("artifacts")
-    built = {}
-
-    def get(model, dtype, skip=(), **kw):
-        key = (model, dtype, tuple(skip), tuple(sorted(kw.items())))
-        if key not in built:
-            out = root / f"{model}-{dtype}-{len(built)}"
-            opts = BuildOptions(kv_cache_dtype=dtype, skip_layers=list(skip), boundary=False, **kw)
-            built[key] = build_artifact(model, out, opts).out_dir
-        return built[key]
-
-    return get
-
-
 @pytest.mark.parametrize("model,dtype,skip", MATRIX, ids=lambda x: str(x))
 def test_parity_ort_vs_reference(artifacts, model, dtype, skip):
     art = open_artifact(artifacts(model, dtype, skip))

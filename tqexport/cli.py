@@ -310,6 +310,207 @@ def parity(
         raise typer.Exit(1)
 
 
+MemoryOptions = (
+    Annotated[int | None, typer.Option(help="Cache blocks per layer (block 0 is the null block).")],
+    Annotated[
+        str | None, typer.Option(help="KV budget, e.g. 512MiB (default when no --num-blocks).")
+    ],
+)
+
+
+@app.command()
+def inspect(
+    artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
+    num_blocks: MemoryOptions[0] = None,
+    kv_cache_memory: MemoryOptions[1] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+):
+    """Per-layer cache allocation of an artifact, and totals vs an all-bf16 cache."""
+    from tqexport.runtime.artifact import open_artifact
+    from tqexport.runtime.executor import resolve_num_blocks
+
+    art = open_artifact(artifact)
+    spec = art.spec
+    blocks = resolve_num_blocks(art, num_blocks, kv_cache_memory)
+    rows = [
+        {
+            "index": la.index,
+            "attention_type": la.attention_type.value,
+            "window": la.window,
+            "kv_cache_dtype": la.kv_cache_dtype,
+            "quant_mode": la.mode.name,
+            "group": la.group,
+            "bytes_per_token": la.cache.bytes_per_token,
+            "blocks": blocks,
+            "bytes": blocks * la.cache.page_size_bytes,
+        }
+        for la in spec.layers
+    ]
+    total = sum(r["bytes"] for r in rows)
+    bf16 = blocks * spec.block_size * spec.bf16_bytes_per_token
+    tokens = (blocks - 1) * spec.block_size
+    groups = [
+        {"id": g.id, "window": g.window, "layers": list(g.layers), "blocks": blocks - 1}
+        for g in spec.groups
+    ]
+    summary = {
+        "num_blocks": blocks,
+        "block_size": spec.block_size,
+        "usable_tokens_per_group": tokens,
+        "total_bytes": total,
+        "bf16_total_bytes": bf16,
+        "bytes_per_token": spec.bytes_per_token,
+        "bf16_bytes_per_token": spec.bf16_bytes_per_token,
+    }
+    if as_json:
+        print(json.dumps({"layers": rows, "groups": groups, "summary": summary}, indent=2))
+        return
+    t = Table(
+        title=f"{art.path}: {spec.model['name']} ({spec.dtype}), "
+        f"{blocks} blocks of {spec.block_size} tokens"
+    )
+    for col in (
+        "layer",
+        "attention",
+        "window",
+        "kv dtype",
+        "mode",
+        "group",
+        "bytes/token",
+        "blocks",
+        "bytes",
+    ):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(
+            str(r["index"]), r["attention_type"], str(r["window"] or "-"), r["kv_cache_dtype"],
+            r["quant_mode"], str(r["group"]), str(r["bytes_per_token"]), str(r["blocks"]),
+            _fmt_bytes(r["bytes"]),
+        )  # fmt: skip
+    console.print(t)
+    for g in groups:
+        what = "full attention" if g["window"] is None else f"window {g['window']}"
+        console.print(
+            f"group {g['id']} ({what}): layers {g['layers']}, {g['blocks']} usable blocks"
+        )
+    console.print(
+        f"total {_fmt_bytes(total)} for {tokens} tokens; an all-bf16 cache of the same blocks: "
+        f"{_fmt_bytes(bf16)} ({bf16 / total:.2f}x)",
+        highlight=False,
+    )
+
+
+@app.command()
+def run(
+    artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
+    prompt: Annotated[
+        str | None, typer.Option(help="One prompt; tokens stream as they come.")
+    ] = None,
+    prompts_file: Annotated[
+        Path | None, typer.Option(help="One prompt per line, served as one continuous batch.")
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate per request.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,
+    top_p: Annotated[float, typer.Option(help="1.0 = off.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Request i samples with seed + i.")] = 0,
+    backend: Annotated[str, typer.Option(help="ort | torch")] = "ort",
+    num_blocks: MemoryOptions[0] = None,
+    kv_cache_memory: MemoryOptions[1] = None,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget per step.")] = 512,
+    max_num_seqs: Annotated[int, typer.Option(help="Sequences per step.")] = 64,
+    chat_template: Annotated[bool, typer.Option(help="Apply the model's chat template.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print results as JSON.")] = False,
+):
+    """Generate from an artifact: per-layer paged caches allocated from its spec."""
+    import time
+
+    from tqexport.runtime.artifact import open_artifact
+    from tqexport.runtime.executor import Executor
+    from tqexport.runtime.sequence import SamplingParams
+    from tqexport.runtime.text import StreamDecoder, encode_prompt, load_tokenizer, stop_token_ids
+
+    if (prompt is None) == (prompts_file is None):
+        raise TQExportError("give exactly one of --prompt and --prompts-file")
+    if prompts_file is not None and not prompts_file.is_file():
+        raise TQExportError(f"--prompts-file {prompts_file} not found")
+    texts = (
+        [prompt]
+        if prompt is not None
+        else [ln for ln in prompts_file.read_text().splitlines() if ln.strip()]
+    )
+    if not texts:
+        raise TQExportError(f"{prompts_file} has no prompts")
+    art = open_artifact(artifact)
+    tok = load_tokenizer(art.path)
+    stops = stop_token_ids(art.path, tok)
+    try:
+        params = [
+            SamplingParams(max_tokens, temperature, top_k, top_p, seed + i, stops)
+            for i in range(len(texts))
+        ]
+    except ValueError as e:
+        raise TQExportError(str(e)) from None
+    ids = [encode_prompt(tok, t, chat_template) for t in texts]
+    ex = Executor(art, backend, num_blocks, kv_cache_memory, max_num_batched_tokens, max_num_seqs)
+    stream = prompt is not None and not as_json
+    decoder = StreamDecoder(tok)
+
+    def on_token(event):
+        if stream:
+            piece = decoder.push(event.seq.output)
+            if piece:
+                print(piece, end="", flush=True)
+
+    start = time.perf_counter()
+    seqs = ex.generate(ids, params, on_token)
+    wall = time.perf_counter() - start
+    if stream:
+        print(flush=True)
+    generated = sum(len(s.output) for s in seqs)
+    spec = art.spec
+    summary = {
+        "requests": len(seqs),
+        "generated_tokens": generated,
+        "seconds": round(wall, 3),
+        "tokens_per_second": round(generated / wall, 2) if wall else None,
+        "peak_kv_bytes": ex.peak_kv_bytes,
+        "peak_kv_bytes_bf16_equivalent": ex.peak_kv_bytes
+        * spec.bf16_bytes_per_token
+        // spec.bytes_per_token,
+        "steps": ex.steps,
+        "backend": backend,
+    }
+    results = [
+        {
+            "prompt": text,
+            "prompt_token_ids": s.prompt,
+            "token_ids": s.output,
+            "text": tok.decode(s.output, skip_special_tokens=True),
+            "finish_reason": s.finish_reason,
+        }
+        for text, s in zip(texts, seqs, strict=True)
+    ]
+    if as_json:
+        print(json.dumps({"results": results, "summary": summary}, indent=2))
+        return
+    if not stream:
+        for i, r in enumerate(results):
+            console.rule(f"request {i} ({r['finish_reason']})")
+            console.print(r["prompt"], style="bold", highlight=False)
+            console.print(r["text"], highlight=False, markup=False)
+    for r in results:
+        if r["finish_reason"] and r["finish_reason"].startswith("rejected"):
+            err.print(f"[yellow]warning:[/yellow] {r['finish_reason']}", highlight=False)
+    err.print(
+        f"{summary['requests']} requests, {generated} tokens in {wall:.2f} s "
+        f"({summary['tokens_per_second']} tokens/s, {backend}); peak KV "
+        f"{_fmt_bytes(summary['peak_kv_bytes'])} (bf16: "
+        f"{_fmt_bytes(summary['peak_kv_bytes_bf16_equivalent'])})",
+        highlight=False,
+    )
+
+
 def _ok(ok: bool) -> str:
     return "[green]yes[/green]" if ok else "[red]NO[/red]"
 

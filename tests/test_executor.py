@@ -1,0 +1,231 @@
+"""The executor: per-layer caches from the spec, scheduling, preemption, sampling, backends."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tqexport.kvquant.modes import kv_cache_dtype_names
+from tqexport.models.paged import PagedCausalLM
+from tqexport.runtime.artifact import open_artifact
+from tqexport.runtime.backends.ort import OrtBackend
+from tqexport.runtime.caches import allocate_caches
+from tqexport.runtime.executor import Executor, parse_memory
+from tqexport.runtime.sampling import sample
+from tqexport.runtime.sequence import SamplingParams
+from tqexport.runtime.steps import SeqChunk, build_step, ordered_inputs
+
+GREEDY32 = SamplingParams(max_tokens=32)
+
+
+def prompts(n=8, seed=0, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [5, 17, 30, 9, 40, 3, 22, 11][:n]
+    return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lengths]
+
+
+def assert_teacher_forced(backend_module, spec, prompt, generated, margin=1e-3):
+    """REFERENCE rule: feed prompt + generated tokens to the reference; wherever its top-2
+    margin exceeds ``margin`` its argmax must be the generated token."""
+    tokens = prompt + generated
+    blocks = -(-len(tokens) // spec.block_size)
+    caches = allocate_caches(spec, blocks + 1)
+    tables = [list(range(1, blocks + 1))] * len(spec.groups)
+    step = build_step(spec, [SeqChunk(tokens[:-1], 0, tables, "all")])
+    with torch.no_grad():
+        logits = backend_module(*ordered_inputs(spec, step, caches))[0][len(prompt) - 1 :]
+    top2 = logits.topk(2, dim=-1)
+    decisive = (top2.values[:, 0] - top2.values[:, 1]) > margin
+    agree = top2.indices[:, 0] == torch.tensor(generated)
+    assert bool(agree[decisive].all()), (agree.tolist(), decisive.tolist())
+    return int(decisive.sum())
+
+
+@pytest.mark.parametrize("dtype", [d for d in kv_cache_dtype_names() if d != "bfloat16"])
+def test_greedy_ort_agrees_with_torch_reference(artifacts, dtype):
+    art = open_artifact(artifacts("tiny-llama", dtype))
+    ps = prompts(3)
+    ort_out = [s.output for s in Executor(art, "ort", num_blocks=32).generate(ps, GREEDY32)]
+    torch_ex = Executor(art, "torch", num_blocks=32)
+    torch_out = [s.output for s in torch_ex.generate(ps, GREEDY32)]
+    module = torch_ex.backend.module
+    module.mode = "functional"
+    for p, o in zip(ps, ort_out):
+        assert len(o) == 32
+        assert assert_teacher_forced(module, art.spec, p, o) > 0
+    assert ort_out == torch_out
+
+
+@pytest.mark.parametrize("dtype", ["auto", "turboquant_4bit_nc"])
+def test_continuous_batch_equals_each_prompt_alone(artifacts, dtype):
+    art = open_artifact(artifacts("tiny-gemma2", dtype))
+    ps = prompts(8)
+    ex = Executor(art, "ort", num_blocks=64, max_num_batched_tokens=48)
+    batched = [s.output for s in ex.generate(ps, GREEDY32)]
+    assert ex.steps > 32  # prompts were chunked and joined while others decoded
+    alone = [Executor(art, "ort", num_blocks=64).generate([p], GREEDY32)[0].output for p in ps]
+    assert batched == alone
+
+
+def test_small_budget_preempts_and_rejects_too_long_prompt(artifacts):
+    art = open_artifact(artifacts("tiny-gemma2", "turboquant_4bit_nc"))
+    ps = prompts(8)
+    alone = [Executor(art, "ort", num_blocks=64).generate([p], GREEDY32)[0].output for p in ps]
+    ex = Executor(art, "ort", num_blocks=12, max_num_batched_tokens=32)
+    seqs = ex.generate(ps + [list(range(200))], GREEDY32)
+    assert [s.output for s in seqs[:-1]] == alone
+    assert sum(s.preemptions for s in seqs) > 0
+    assert seqs[-1].output == [] and "does not fit in the whole cache" in seqs[-1].finish_reason
+    assert ex.blocks.used_blocks() == [0, 0]  # everything freed
+
+
+def test_sliding_window_blocks_are_recycled_to_other_sequences(artifacts):
+    art = open_artifact(artifacts("tiny-gemma2", "auto"))
+    sliding = next(g.id for g in art.spec.groups if g.window)
+    ex = Executor(art, "ort", num_blocks=9, max_num_batched_tokens=16)
+    ps = prompts(4, seed=5)
+    for p in ps:
+        ex.add_request(p, SamplingParams(max_tokens=40))
+    owners: dict[int, set[int]] = {}
+    nulls = 0
+    while not ex.scheduler.idle:
+        ex.step()
+        for seq in ex.scheduler.running:
+            table = seq.block_tables[sliding]
+            nulls += table.count(0)
+            for b in table:
+                if b:
+                    owners.setdefault(b, set()).add(seq.id)
+    assert nulls > 0  # blocks that left the window were replaced by the null block
+    assert any(len(ids) > 1 for ids in owners.values())  # and handed to another sequence
+    alone = [
+        Executor(art, "ort", num_blocks=64).generate([p], SamplingParams(max_tokens=40))[0].output
+        for p in ps
+    ]
+    batched = [s.output for s in sorted(ex.scheduler.running + [], key=lambda s: s.id)]
+    assert batched == []  # all finished
+    again = Executor(art, "ort", num_blocks=9, max_num_batched_tokens=16)
+    assert [s.output for s in again.generate(ps, SamplingParams(max_tokens=40))] == alone
+
+
+def test_caches_update_in_place_and_bit_identical(artifacts):
+    art = open_artifact(artifacts("tiny-llama", "turboquant_k3v4_nc"))
+    spec = art.spec
+    bound, copied = OrtBackend(art, 8, in_place=True), OrtBackend(art, 8, in_place=False)
+    ptrs = {n: a.ctypes.data for n, a in bound.caches.items()}
+    tables = [[1, 2]] * len(spec.groups)
+    for step in (
+        build_step(spec, [SeqChunk(list(range(10)), 0, tables)]),
+        build_step(spec, [SeqChunk([3], 10, tables)]),
+    ):
+        la, lb = bound.run(step), copied.run(step)
+        assert torch.equal(la, lb)
+        for n, ptr in ptrs.items():
+            assert bound.last_output_ptrs[n.replace("cache.", "cache_out.", 1)] == ptr
+            assert bound.caches[n].ctypes.data == ptr
+            assert np.array_equal(bound.caches[n], copied.caches[n])
+    assert bound.caches["cache.0.kv"][1].any()  # the bound buffer itself was written
+
+
+def test_sampling_is_per_request_and_seeded(artifacts):
+    art = open_artifact(artifacts("tiny-llama", "fp8"))
+    p = SamplingParams(max_tokens=12, temperature=0.8, top_k=50, top_p=0.9, seed=7)
+    ps = prompts(4)
+    alone = Executor(art, "ort", num_blocks=32).generate([ps[0]], p)[0].output
+    with_others = Executor(art, "ort", num_blocks=32).generate(
+        ps, [p] + [SamplingParams(max_tokens=12, temperature=1.0, seed=i) for i in range(3)]
+    )
+    assert with_others[0].output == alone
+    other_seed = Executor(art, "ort", num_blocks=32).generate(
+        [ps[0]], SamplingParams(12, 0.8, 50, 0.9, 8)
+    )
+    assert other_seed[0].output != alone
+
+
+def test_sample_top_k_top_p():
+    logits = torch.tensor([0.0, 5.0, 4.9, -1.0, 4.8])
+    g = torch.Generator().manual_seed(0)
+    assert sample(logits, SamplingParams(temperature=0.0), g) == 1
+    got = {sample(logits, SamplingParams(temperature=1.0, top_k=2), g) for _ in range(200)}
+    assert got == {1, 2}
+    got = {sample(logits, SamplingParams(temperature=1.0, top_p=0.01), g) for _ in range(50)}
+    assert got == {1}
+    got = {sample(logits, SamplingParams(temperature=1.0, top_p=0.6), g) for _ in range(300)}
+    assert got == {1, 2}  # 1 alone holds ~36% of the mass, 1+2 ~69%
+
+
+def test_stop_tokens_end_requests(artifacts):
+    art = open_artifact(artifacts("tiny-llama", "auto"))
+    p = prompts(1)[0]
+    free = Executor(art, "ort", num_blocks=32).generate([p], GREEDY32)[0].output
+    stop = SamplingParams(max_tokens=32, stop_token_ids=(free[5],))
+    seq = Executor(art, "ort", num_blocks=32).generate([p], stop)[0]
+    assert seq.finish_reason == "stop" and seq.output == free[: free.index(free[5]) + 1]
+
+
+def test_parse_memory():
+    assert parse_memory("512MiB") == 512 * 2**20
+    assert parse_memory("2GiB") == 2 * 2**30
+    assert parse_memory("1000") == 1000
+
+
+def cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "tqexport", *args], capture_output=True, text=True, timeout=900
+    )
+
+
+def test_inspect_json(artifacts):
+    path = artifacts("tiny-gemma2", "turboquant_4bit_nc", ["sw"])
+    r = cli("inspect", str(path), "--num-blocks", "10", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    layers = data["layers"]
+    assert [la["kv_cache_dtype"] for la in layers] == ["auto", "turboquant_4bit_nc"] * 3
+    assert all(la["blocks"] == 10 for la in layers)
+    assert layers[1]["bytes"] == 10 * 16 * 2 * 70
+    assert data["summary"]["total_bytes"] == sum(la["bytes"] for la in layers)
+    assert [g["window"] for g in data["groups"]] == [None, 8]
+
+
+def test_smollm2_greedy_matches_transformers_generate(artifacts):
+    from transformers import AutoTokenizer
+
+    from tqexport.models.loader import load_model
+
+    path = artifacts("smollm2", "auto")
+    art = open_artifact(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "Name three colours."}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )["input_ids"]
+    ours = Executor(art, "ort", num_blocks=16).generate(
+        [ids], SamplingParams(max_tokens=32, ignore_stop=True)
+    )[0]
+    lm = load_model("smollm2")
+    with torch.no_grad():
+        ref = lm.model.generate(
+            torch.tensor([ids]), max_new_tokens=32, do_sample=False, min_new_tokens=32
+        )[0, len(ids) :].tolist()
+    pm = PagedCausalLM(lm.model, art.spec, mode="functional")
+    assert assert_teacher_forced(pm, art.spec, ids, ours.output) > 20
+    assert ours.output[:16] == ref[:16]
+
+
+def test_run_cli_json_and_stream(artifacts):
+    path = artifacts("smollm2", "turboquant_k3v4_nc", ["boundary:3"])
+    r = cli("run", str(path), "--prompt", "What is 2+2?", "--max-tokens", "12", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    res = data["results"][0]
+    assert 1 <= len(res["token_ids"]) <= 12 and res["text"].strip()
+    assert data["summary"]["requests"] == 1 and data["summary"]["peak_kv_bytes"] > 0
+    r = cli("run", str(path), "--prompt", "Say hello.", "--max-tokens", "8")
+    assert r.returncode == 0 and r.stdout.strip() and "tokens/s" in r.stderr
+    r = cli("run", str(path))
+    assert r.returncode == 2 and "exactly one of --prompt" in r.stderr

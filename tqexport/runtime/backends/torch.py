@@ -1,0 +1,36 @@
+"""Run artifact steps with the torch reference ops, mutating the caches in place.
+
+The graph holds no torch weights, so this backend reloads the source model the artifact was
+built from (``model.path`` in the spec) and refuses one whose config digest differs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tqexport.errors import TQExportError
+from tqexport.models.loader import load_model
+from tqexport.models.paged import PagedCausalLM
+from tqexport.runtime.artifact import Artifact
+from tqexport.runtime.caches import allocate_caches
+from tqexport.runtime.steps import ordered_inputs
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, artifact: Artifact, num_blocks: int):
+        spec = artifact.spec
+        lm = load_model(spec.model["path"], spec.dtype)
+        if lm.description.config_digest != spec.model["config_digest"]:
+            raise TQExportError(
+                f"the source model at {spec.model['path']} is not the one this artifact was "
+                "built from (config digest differs)"
+            )
+        self.spec = spec
+        self.module = PagedCausalLM(lm.model, spec, mode="inplace")
+        self.caches = allocate_caches(spec, num_blocks)
+
+    def run(self, step: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.module(*ordered_inputs(self.spec, step, self.caches))[0]

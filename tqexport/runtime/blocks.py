@@ -1,0 +1,86 @@
+"""Per-cache-group block allocation: block tables, on-demand blocks, sliding-window recycling.
+
+Every layer's cache tensor has ``num_blocks`` blocks and block 0 is the null block, never
+handed out. Each cache group (layers sharing a window) has its own free list over blocks
+1..num_blocks-1 and its own block table per sequence. A sliding-window group replaces blocks
+that no future query can see by the null block and frees them (vLLM's scheme).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from tqexport.runtime.sequence import Sequence
+from tqexport.spec import CacheGroup
+
+NULL_BLOCK = 0
+
+
+class GroupAllocator:
+    def __init__(self, group: CacheGroup, num_blocks: int):
+        self.group = group
+        self.block_size = group.block_size
+        self.free = deque(range(1, num_blocks))
+        self.capacity = num_blocks - 1
+
+    def blocks_needed(self, table: list[int], upto_tokens: int) -> int:
+        return max(0, -(-upto_tokens // self.block_size) - len(table))
+
+    def max_live_blocks(self, tokens: int) -> int:
+        """Blocks a sequence of ``tokens`` holds at once (bounded by the window)."""
+        total = -(-tokens // self.block_size)
+        if self.group.window is None:
+            return total
+        return min(total, -(-(self.group.window + self.block_size) // self.block_size) + 1)
+
+    def grow(self, table: list[int], upto_tokens: int) -> None:
+        for _ in range(self.blocks_needed(table, upto_tokens)):
+            table.append(self.free.popleft())
+
+    def drop_out_of_window(self, table: list[int], next_query_pos: int) -> None:
+        """Free blocks whose every position is invisible to queries at >= next_query_pos."""
+        w = self.group.window
+        if w is None:
+            return
+        for i, block in enumerate(table):
+            last_pos = (i + 1) * self.block_size - 1
+            if block != NULL_BLOCK and last_pos <= next_query_pos - w:
+                self.free.append(block)
+                table[i] = NULL_BLOCK
+
+    def release(self, table: list[int]) -> None:
+        self.free.extend(b for b in table if b != NULL_BLOCK)
+        table.clear()
+
+
+class BlockManager:
+    def __init__(self, groups: tuple[CacheGroup, ...], num_blocks: int):
+        self.groups = [GroupAllocator(g, num_blocks) for g in groups]
+        self.num_blocks = num_blocks
+
+    def fits_ever(self, tokens: int) -> bool:
+        """Whether a sequence of ``tokens`` can fit in an otherwise empty cache."""
+        return all(g.max_live_blocks(tokens) <= g.capacity for g in self.groups)
+
+    def can_grow(self, seq: Sequence, upto_tokens: int) -> bool:
+        tables = seq.block_tables or [[] for _ in self.groups]
+        return all(
+            g.blocks_needed(t, upto_tokens) <= len(g.free)
+            for g, t in zip(self.groups, tables, strict=True)
+        )
+
+    def grow(self, seq: Sequence, upto_tokens: int) -> None:
+        """Give ``seq`` blocks for positions < upto_tokens, after freeing out-of-window ones."""
+        if not seq.block_tables:
+            seq.block_tables = [[] for _ in self.groups]
+        for g, table in zip(self.groups, seq.block_tables, strict=True):
+            g.drop_out_of_window(table, seq.num_cached)
+            g.grow(table, upto_tokens)
+
+    def free(self, seq: Sequence) -> None:
+        for g, table in zip(self.groups, seq.block_tables, strict=True):
+            g.release(table)
+        seq.block_tables = []
+
+    def used_blocks(self) -> list[int]:
+        return [g.capacity - len(g.free) for g in self.groups]

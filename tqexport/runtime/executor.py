@@ -1,0 +1,162 @@
+"""The serving loop: schedule, build the step, run it on a backend, sample, stream."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tqexport.errors import TQExportError
+from tqexport.runtime.artifact import Artifact
+from tqexport.runtime.blocks import BlockManager
+from tqexport.runtime.sampling import sample
+from tqexport.runtime.scheduler import Scheduler
+from tqexport.runtime.sequence import SamplingParams, Sequence
+from tqexport.runtime.steps import SeqChunk, build_step
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+}
+
+
+def parse_memory(text: str) -> int:
+    """'512MiB' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise TQExportError(f"--kv-cache-memory: cannot read {text!r}; write e.g. 512MiB or 2GiB")
+    return int(float(m[1]) * _UNITS[(m[2] or "").upper()])
+
+
+def block_bytes(artifact: Artifact) -> int:
+    """Bytes one block id costs across every layer's cache."""
+    return sum(layer.cache.page_size_bytes for layer in artifact.spec.layers)
+
+
+def resolve_num_blocks(artifact: Artifact, num_blocks: int | None, memory: str | None) -> int:
+    if num_blocks is not None and memory is not None:
+        raise TQExportError("give --num-blocks or --kv-cache-memory, not both")
+    if num_blocks is None:
+        budget = parse_memory(memory or "512MiB")
+        num_blocks = budget // block_bytes(artifact)
+    if num_blocks < 2:
+        raise TQExportError(
+            f"the KV budget holds {num_blocks} blocks; at least 2 are needed (block 0 is the null "
+            f"block, one block is {block_bytes(artifact)} bytes)"
+        )
+    return num_blocks
+
+
+@dataclass
+class StepEvent:
+    seq: Sequence
+    token: int
+
+
+class Executor:
+    def __init__(
+        self,
+        artifact: Artifact,
+        backend: str = "ort",
+        num_blocks: int | None = None,
+        kv_cache_memory: str | None = None,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 64,
+        threads: int | None = None,
+    ):
+        self.artifact = artifact
+        self.spec = artifact.spec
+        self.num_blocks = resolve_num_blocks(artifact, num_blocks, kv_cache_memory)
+        if backend == "ort":
+            from tqexport.runtime.backends.ort import OrtBackend
+
+            self.backend = OrtBackend(artifact, self.num_blocks, threads)
+        elif backend == "torch":
+            from tqexport.runtime.backends.torch import TorchBackend
+
+            self.backend = TorchBackend(artifact, self.num_blocks)
+        else:
+            raise TQExportError(f"unknown backend {backend!r}; use ort or torch")
+        self.blocks = BlockManager(self.spec.groups, self.num_blocks)
+        self.scheduler = Scheduler(self.blocks, max_num_batched_tokens, max_num_seqs)
+        self._next_id = 0
+        self.group_block_bytes = [
+            sum(self.spec.layer(i).cache.page_size_bytes for i in g.layers)
+            for g in self.spec.groups
+        ]
+        self.peak_kv_bytes = 0
+        self.steps = 0
+
+    def add_request(self, prompt: list[int], params: SamplingParams) -> Sequence:
+        if not prompt:
+            raise TQExportError("empty prompt")
+        vocab = int(self.spec.model.get("vocab_size") or 0)
+        if vocab and (min(prompt) < 0 or max(prompt) >= vocab):
+            raise TQExportError(f"prompt token ids must be in [0, {vocab})")
+        seq = Sequence(self._next_id, list(prompt), params)
+        self._next_id += 1
+        self.scheduler.add(seq)
+        return seq
+
+    @property
+    def kv_bytes_in_use(self) -> int:
+        used = self.blocks.used_blocks()
+        return sum(u * b for u, b in zip(used, self.group_block_bytes, strict=True))
+
+    def step(self) -> list[StepEvent]:
+        """Run one scheduled step; returns the tokens sampled in it."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            if not self.scheduler.idle:
+                raise RuntimeError("the scheduler could not schedule any waiting request")
+            return []
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_in_use)
+        chunks = []
+        for seq, n in batch:
+            ends = seq.num_cached + n == seq.num_tokens
+            chunks.append(
+                SeqChunk(
+                    seq.tokens[seq.num_cached : seq.num_cached + n],
+                    seq.num_cached,
+                    [list(t) for t in seq.block_tables],
+                    "last" if ends else "none",
+                )
+            )
+        logits = self.backend.run(build_step(self.spec, chunks))
+        self.steps += 1
+        events, row = [], 0
+        for (seq, n), chunk in zip(batch, chunks, strict=True):
+            seq.num_cached += n
+            if chunk.want_logits == "none":
+                continue
+            token = sample(logits[row], seq.params, seq.rng)
+            row += 1
+            seq.output.append(token)
+            events.append(StepEvent(seq, token))
+            p = seq.params
+            if not p.ignore_stop and token in p.stop_token_ids:
+                self.scheduler.finish(seq, "stop")
+            elif len(seq.output) >= p.max_tokens:
+                self.scheduler.finish(seq, "length")
+        return events
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        on_token: Callable[[StepEvent], None] | None = None,
+    ) -> list[Sequence]:
+        """Serve every prompt to completion as one continuous batch."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        while not self.scheduler.idle:
+            for event in self.step():
+                if on_token:
+                    on_token(event)
+        return seqs

@@ -1,0 +1,83 @@
+"""Continuous batching: decode and (chunked) prefill in one step, preemption by recompute."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from tqexport.runtime.blocks import BlockManager
+from tqexport.runtime.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        self.blocks = blocks
+        self.max_tokens = max_num_batched_tokens
+        self.max_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        if not self.blocks.fits_ever(len(seq.prompt) + 1):
+            bs = self.blocks.groups[0].block_size
+            seq.finish(
+                f"rejected: a prompt of {len(seq.prompt)} tokens does not fit in the whole cache "
+                f"({self.blocks.num_blocks - 1} blocks of {bs} tokens)"
+            )
+            return
+        self.waiting.append(seq)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks; it is recomputed from its tokens later."""
+        self.blocks.free(seq)
+        seq.num_cached = 0
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens to compute this step) pairs, running ones first, in arrival order."""
+        budget = self.max_tokens
+        batch: list[tuple[Sequence, int]] = []
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or budget == 0:
+                continue
+            n = min(seq.remaining, budget)
+            while not self.blocks.can_grow(seq, seq.num_cached + n):
+                victim = self.running[-1]
+                if victim is seq and len(self.running) == 1:
+                    seq.finish("length: the cache is full")
+                    self.blocks.free(seq)
+                    self.running.remove(seq)
+                    break
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            self.blocks.grow(seq, seq.num_cached + n)
+            batch.append((seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            seq = self.waiting[0]
+            n = min(seq.remaining, budget)
+            if not self.blocks.can_grow(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self.blocks.grow(seq, n)
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish(reason)
+        self.blocks.free(seq)
+        self.running.remove(seq)

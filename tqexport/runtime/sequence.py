@@ -1,0 +1,70 @@
+"""A request's state while it is served."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy; top_k 0 and top_p 1.0 = off."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_stop: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """Prompt + generated tokens; ``num_cached`` of them are in the cache."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    output: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_cached: int = 0
+    block_tables: list[list[int]] = field(default_factory=list)  # per cache group
+    finish_reason: str | None = None
+    preemptions: int = 0
+    rng: torch.Generator = field(init=False)
+
+    def __post_init__(self):
+        # Each request owns its RNG: sampling never depends on what else is in the batch.
+        self.rng = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens known but not yet in the cache (the prompt, or the last sampled token)."""
+        return self.num_tokens - self.num_cached
+
+    def finish(self, reason: str) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
