@@ -191,3 +191,15 @@ def test_smollm2_boundary_3_read_back(artifacts):
     assert (art.path / "tokenizer.json").is_file() or (art.path / "tokenizer_config.json").is_file()
     assert (art.path / "generation_config.json").is_file()
     assert run_parity(art, steps=1, prompt_len=16, batch=2).ok
+
+
+def test_build_from_hf_directory(tmp_path):
+    from tqexport.models.loader import load_model
+
+    lm = load_model("tiny-qwen3")
+    src = tmp_path / "hf-model"
+    lm.model.save_pretrained(src)
+    art = build_artifact(str(src), tmp_path / "art", BuildOptions(kv_cache_dtype="fp8_e4m3"))
+    spec = open_artifact(art.out_dir).spec
+    assert spec.model["architecture"] == "Qwen3ForCausalLM" and spec.model["path"] == str(src)
+    assert run_parity(open_artifact(art.out_dir), steps=1, prompt_len=10, batch=2).ok

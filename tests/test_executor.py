@@ -229,3 +229,38 @@ def test_run_cli_json_and_stream(artifacts):
     assert r.returncode == 0 and r.stdout.strip() and "tokens/s" in r.stderr
     r = cli("run", str(path))
     assert r.returncode == 2 and "exactly one of --prompt" in r.stderr
+
+
+class _BytesTokenizer:
+    """Decodes token ids as raw UTF-8 bytes, like a byte-level BPE mid-character."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_streaming_never_splits_a_utf8_character():
+    from tqexport.runtime.text import StreamDecoder
+
+    data = list("héllo €!".encode())
+    dec = StreamDecoder(_BytesTokenizer())
+    pieces = [dec.push(data[: i + 1]) for i in range(len(data))]
+    assert "".join(pieces) == "héllo €!"
+    assert all("\ufffd" not in p for p in pieces)
+    assert pieces[1] == "" and pieces[2] == "é"  # the two bytes of é arrive as one piece
+
+
+def test_run_prompts_file_is_one_continuous_batch(artifacts, tmp_path):
+    path = artifacts("smollm2", "turboquant_k3v4_nc", ["boundary:3"])
+    f = tmp_path / "prompts.txt"
+    f.write_text("Name a fruit.\n\nName a colour.\nCount to three.\n")
+    r = cli("run", str(path), "--prompts-file", str(f), "--max-tokens", "6", "--json",
+            "--no-chat-template")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert [x["prompt"] for x in data["results"]] == [
+        "Name a fruit.",
+        "Name a colour.",
+        "Count to three.",
+    ]
+    assert data["summary"]["requests"] == 3
+    assert data["summary"]["peak_kv_bytes_bf16_equivalent"] > data["summary"]["peak_kv_bytes"]

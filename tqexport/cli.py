@@ -106,15 +106,20 @@ SkipOption = Annotated[
 ]
 
 
+KvDtypeOption = Annotated[str, typer.Option(help="vLLM kv-cache dtype name.")]
+BoundaryOption = Annotated[
+    bool, typer.Option(help="TurboQuant boundary protection (first/last 2 layers).")
+]
+BlockSizeOption = Annotated[int, typer.Option(help="Tokens per cache block.")]
+
+
 @app.command()
 def plan(
     model: Annotated[str, typer.Argument(help="HF dir, config.json, .gguf, or built-in name.")],
-    kv_cache_dtype: Annotated[str, typer.Option(help="vLLM kv-cache dtype name.")] = "auto",
+    kv_cache_dtype: KvDtypeOption = "auto",
     skip_layers: SkipOption = None,
-    boundary: Annotated[
-        bool, typer.Option(help="TurboQuant boundary protection (first/last 2 layers).")
-    ] = True,
-    block_size: Annotated[int, typer.Option(help="Tokens per cache block.")] = 16,
+    boundary: BoundaryOption = True,
+    block_size: BlockSizeOption = 16,
     dtype: Annotated[
         str | None, typer.Option(help="Model dtype (default: the config's, else float32).")
     ] = None,
@@ -182,12 +187,10 @@ def plan(
 def build(
     model: Annotated[str, typer.Argument(help="HF dir, .gguf, or built-in name.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Artifact directory to create.")],
-    kv_cache_dtype: Annotated[str, typer.Option(help="vLLM kv-cache dtype name.")] = "auto",
+    kv_cache_dtype: KvDtypeOption = "auto",
     skip_layers: SkipOption = None,
-    boundary: Annotated[
-        bool, typer.Option(help="TurboQuant boundary protection (first/last 2 layers).")
-    ] = True,
-    block_size: Annotated[int, typer.Option(help="Tokens per cache block.")] = 16,
+    boundary: BoundaryOption = True,
+    block_size: BlockSizeOption = 16,
     dtype: Annotated[
         str | None,
         typer.Option(help="float32 | float16 | bfloat16 (bf16 is a GPU target). Default: float32."),
