@@ -203,3 +203,10 @@ def test_build_from_hf_directory(tmp_path):
     spec = open_artifact(art.out_dir).spec
     assert spec.model["architecture"] == "Qwen3ForCausalLM" and spec.model["path"] == str(src)
     assert run_parity(open_artifact(art.out_dir), steps=1, prompt_len=10, batch=2).ok
+
+
+@pytest.mark.parametrize("dtype", ["auto", "turboquant_4bit_nc"])
+def test_float16_artifacts_run_on_ort_cpu(artifacts, dtype):
+    art = open_artifact(artifacts("tiny-llama", dtype, (), dtype="float16"))
+    assert art.spec.dtype == "float16"
+    assert run_parity(art, steps=2, prompt_len=16, batch=2).ok
