@@ -21,11 +21,13 @@ def artifacts(tmp_path_factory):
     root = tmp_path_factory.mktemp("artifacts")
     built = {}
 
-    def get(model, dtype, skip=(), **kw):
-        key = (model, dtype, tuple(skip), tuple(sorted(kw.items())))
+    def get(model, kv_dtype, skip=(), **kw):
+        key = (model, kv_dtype, tuple(skip), tuple(sorted(kw.items())))
         if key not in built:
-            out = root / f"{model}-{dtype}-{len(built)}"
-            opts = BuildOptions(kv_cache_dtype=dtype, skip_layers=list(skip), boundary=False, **kw)
+            out = root / f"{model}-{kv_dtype}-{len(built)}"
+            opts = BuildOptions(
+                kv_cache_dtype=kv_dtype, skip_layers=list(skip), boundary=False, **kw
+            )
             built[key] = build_artifact(model, out, opts).out_dir
         return built[key]
 

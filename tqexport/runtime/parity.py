@@ -3,12 +3,12 @@
 One prefill (several sequences of different lengths) and N decode steps run on ORT with a
 session that also exposes every tqexport node's inputs. For every layer and step the torch
 reference ops are run on exactly the q/k/v ORT fed its nodes, and must reproduce ORT's cache
-bytes and attention outputs (within 1e-4 for float32 models, two ulps for 16-bit ones). Judging whole-model logits of a quantized model instead would be
-meaningless: ORT's and torch's matmuls differ in the last bits, one code that flips at a
-rounding threshold changes that layer's output by a quantization step, and the difference
-grows through the remaining layers (measured on SmolLM2 with 4-bit keys: 1 flipped byte in
-layer 5, over a thousand by layer 17). End-to-end logits are still compared, and judged when
-no layer is quantized.
+bytes and attention outputs (within 1e-4 for float32 models, two ulps for 16-bit ones). Judging
+whole-model logits of a quantized model instead would be meaningless: ORT's and torch's matmuls
+differ in the last bits, one code that flips at a rounding threshold changes that layer's output
+by a quantization step, and the difference grows through the remaining layers (measured on
+SmolLM2 with 4-bit keys: 1 flipped byte in layer 5, over a thousand by layer 17). End-to-end
+logits are still compared, and judged when no layer is quantized.
 """
 
 from __future__ import annotations
