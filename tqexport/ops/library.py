@@ -37,6 +37,12 @@ def cache_write(
     v_scale: float,
 ) -> None:
     codec = codec_for(kv_cache_dtype, k.shape[-1], model_dtype, k_scale, v_scale)
+    if k.is_cuda:
+        from tqexport.ops.triton import cache_write as triton_write
+
+        if triton_write.supports(codec):
+            triton_write.write_cache_(codec, cache, k, v, slot_mapping)
+            return
     reference.write_cache_(codec, cache, k, v, slot_mapping)
 
 

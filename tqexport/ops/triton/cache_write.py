@@ -1,0 +1,191 @@
+"""CacheWrite kernels: TurboQuant slot encode + pack, fp8 per-tensor, unquantized.
+
+One program per (token, kv head). Offsets and bit widths come from the layer's
+:class:`~tqexport.kvquant.turboquant.SlotLayout` as constexprs; a write touches bytes
+``[0, slot_size)`` of the slot only (padding is never written). TurboQuant slots are 2-byte
+aligned at best (70/62/54 bytes), so every field is stored bytewise. Padding tokens (slot < 0)
+are redirected to the null block's first slot, like the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tqexport.kvquant.bits import FP8_FORMATS
+from tqexport.kvquant.codecs import Codec, Fp8PerTensorCodec, TurboQuantCodec, UnquantizedCodec
+
+
+@triton.jit
+def _store_fp16_bytes(ptr, x):
+    bits = x.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
+    tl.store(ptr, (bits & 255).to(tl.uint8))
+    tl.store(ptr + 1, (bits >> 8).to(tl.uint8))
+
+
+@triton.jit
+def _fp8_bits(x, MBITS: tl.constexpr, BIAS: tl.constexpr, LIMIT: tl.constexpr):
+    """Saturating round-to-nearest-even fp32 -> fp8 bit pattern, by integer arithmetic.
+
+    Written out (instead of ``.to(tl.float8e4nv)``) so the interpreter and the GPU produce the
+    same bytes: the interpreter's fp8 cast does not round like the hardware's cvt.rn.
+    """
+    x = tl.minimum(tl.maximum(x, -LIMIT), LIMIT)
+    u = x.to(tl.int32, bitcast=True)
+    sign = (u >> 31) & 1
+    a = u & 0x7FFFFFFF
+    shift: tl.constexpr = 23 - MBITS
+    lsb = (a >> shift) & 1
+    normal = ((a + (1 << (shift - 1)) - 1 + lsb) >> shift) - ((127 - BIAS) << MBITS)
+    scaled = tl.abs(x) * (2.0 ** (BIAS - 1 + MBITS))  # in subnormal steps
+    sub = ((scaled + 8388608.0) - 8388608.0).to(tl.int32)  # round half to even
+    min_normal: tl.constexpr = 2.0 ** (1 - BIAS)
+    bits = tl.where(tl.abs(x) >= min_normal, normal, sub)
+    return (bits + sign * 128).to(tl.uint8)
+
+
+@triton.jit
+def _store_packed(ptr, codes, BITS: tl.constexpr, D: tl.constexpr):
+    """Pack int32 codes [D] little-endian (4-bit: low nibble first; 3-bit: LSB-first stream)."""
+    if BITS == 4:
+        lo, hi = tl.split(tl.reshape(codes, (D // 2, 2)))
+        tl.store(ptr + tl.arange(0, D // 2), (lo + hi * 16).to(tl.uint8))
+    else:
+        groups = tl.reshape(codes, (D // 8, 8))
+        shifts = tl.arange(0, 8) * 3
+        word = tl.sum(groups << shifts[None, :], axis=1)
+        g = tl.arange(0, D // 8) * 3
+        tl.store(ptr + g, (word & 255).to(tl.uint8))
+        tl.store(ptr + g + 1, ((word >> 8) & 255).to(tl.uint8))
+        tl.store(ptr + g + 2, ((word >> 16) & 255).to(tl.uint8))
+
+
+@triton.jit
+def turboquant_write_kernel(
+    k_ptr, v_ptr, slot_ptr, cache_ptr, rot_ptr, th_ptr,
+    H: tl.constexpr, D: tl.constexpr, SLOT: tl.constexpr,
+    KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
+    NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
+    ZERO_OFF: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    t = pid // H
+    h = pid % H
+    offs = tl.arange(0, D)
+    slot = tl.load(slot_ptr + t)
+    slot = tl.where(slot < 0, 0, slot)
+    base = cache_ptr + (slot * H + h) * SLOT
+    k = tl.load(k_ptr + pid * D + offs).to(tl.float32)
+    v = tl.load(v_ptr + pid * D + offs).to(tl.float32)
+    if KEY_FP8:
+        tl.store(base + offs, _fp8_bits(k, 3, 7, 448.0))
+    else:
+        norm = tl.sqrt(tl.sum(k * k, axis=0))
+        x = k / (norm + 1e-8)
+        rot = tl.load(rot_ptr + offs[:, None] * D + offs[None, :])
+        y = tl.sum(x[:, None] * rot, axis=0)
+        idx = tl.zeros([D], dtype=tl.int32)
+        for j in tl.static_range(2**KEY_BITS - 1):
+            idx += (y >= tl.load(th_ptr + j)).to(tl.int32)
+        _store_packed(base, idx, KEY_BITS, D)
+        _store_fp16_bytes(base + NORM_OFF, norm)
+    levels: tl.constexpr = 2**VAL_BITS - 1
+    lo = tl.min(v, axis=0)
+    hi = tl.max(v, axis=0)
+    scale = tl.maximum((hi - lo) / levels, 1e-8)
+    codes = tl.floor((v - lo) / scale + 0.5)
+    codes = tl.minimum(tl.maximum(codes, 0.0), levels).to(tl.int32)
+    _store_packed(base + VAL_OFF, codes, VAL_BITS, D)
+    _store_fp16_bytes(base + SCALE_OFF, scale)
+    _store_fp16_bytes(base + ZERO_OFF, lo)
+
+
+@triton.jit
+def fp8_write_kernel(
+    x_ptr, slot_ptr, cache_ptr, scale,
+    H: tl.constexpr, D: tl.constexpr, E5M2: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    offs = tl.arange(0, D)
+    slot = tl.load(slot_ptr + pid // H)
+    slot = tl.where(slot < 0, 0, slot)
+    x = tl.load(x_ptr + pid * D + offs).to(tl.float32) / scale
+    if E5M2:
+        b = _fp8_bits(x, 2, 15, 57344.0)
+    else:
+        b = _fp8_bits(x, 3, 7, 448.0)
+    tl.store(cache_ptr + (slot * H + pid % H) * D + offs, b)
+
+
+@triton.jit
+def copy_write_kernel(x_ptr, slot_ptr, cache_ptr, H: tl.constexpr, D: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = tl.arange(0, D)
+    slot = tl.load(slot_ptr + pid // H)
+    slot = tl.where(slot < 0, 0, slot)
+    x = tl.load(x_ptr + pid * D + offs)
+    tl.store(cache_ptr + (slot * H + pid % H) * D + offs, x.to(cache_ptr.dtype.element_ty))
+
+
+# FMA contraction would round differently from the reference (and from the interpreter).
+LAUNCH = {"enable_fp_fusion": False}
+
+
+def supports(codec: Codec) -> bool:
+    d = codec.head_size
+    return (
+        isinstance(codec, TurboQuantCodec | Fp8PerTensorCodec | UnquantizedCodec)
+        and d & (d - 1) == 0
+    )
+
+
+def kernel_variants(codec: Codec, heads: int):
+    """(kernel, signature, constexprs) this codec launches: used for the ahead-of-time checks."""
+    d = codec.head_size
+    if isinstance(codec, TurboQuantCodec):
+        lay, p = codec.layout, codec.preset
+        sig = {n: t for n, t in zip(
+            ("k_ptr", "v_ptr", "slot_ptr", "cache_ptr", "rot_ptr", "th_ptr"),
+            ("*fp32", "*fp32", "*i64", "*u8", "*fp32", "*fp32"), strict=True)}  # fmt: skip
+        consts = dict(
+            H=heads, D=d, SLOT=lay.slot_size_aligned, KEY_BITS=p.key_bits if not p.key_fp8 else 1,
+            VAL_BITS=p.value_bits, KEY_FP8=p.key_fp8, NORM_OFF=lay.key_norm_offset or 0,
+            VAL_OFF=lay.value_offset, SCALE_OFF=lay.value_scale_offset,
+            ZERO_OFF=lay.value_zero_offset,
+        )  # fmt: skip
+        return [(turboquant_write_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)]
+    if isinstance(codec, Fp8PerTensorCodec):
+        sig = {"x_ptr": "*fp32", "slot_ptr": "*i64", "cache_ptr": "*u8", "scale": "fp32"}
+        consts = dict(H=heads, D=d, E5M2=codec.fmt is FP8_FORMATS["float8_e5m2"])
+        return [(fp8_write_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)]
+    sig = {"x_ptr": "*fp32", "slot_ptr": "*i64", "cache_ptr": "*fp32"}
+    consts = dict(H=heads, D=d)
+    return [(copy_write_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)]
+
+
+def write_cache_(codec: Codec, cache: list[torch.Tensor], k, v, slot_mapping) -> None:
+    """In-place cache write with the Triton kernels (same bytes as the reference op)."""
+    tokens, heads, d = k.shape
+    grid = (tokens * heads,)
+    k, v, slots = k.contiguous(), v.contiguous(), slot_mapping.contiguous()
+    if isinstance(codec, TurboQuantCodec):
+        lay, p = codec.layout, codec.preset
+        rot = getattr(codec, "rotation", torch.zeros(1)).to(k.device)
+        th = getattr(codec, "thresholds", torch.zeros(1)).to(k.device)
+        turboquant_write_kernel[grid](
+            k, v, slots, cache[0], rot, th,
+            H=heads, D=d, SLOT=lay.slot_size_aligned, KEY_BITS=p.key_bits if not p.key_fp8 else 1,
+            VAL_BITS=p.value_bits, KEY_FP8=p.key_fp8, NORM_OFF=lay.key_norm_offset or 0,
+            VAL_OFF=lay.value_offset, SCALE_OFF=lay.value_scale_offset,
+            ZERO_OFF=lay.value_zero_offset, **LAUNCH,
+        )  # fmt: skip
+    elif isinstance(codec, Fp8PerTensorCodec):
+        e5m2 = codec.fmt is FP8_FORMATS["float8_e5m2"]
+        for x, c, s in ((k, cache[0], codec.k_scale), (v, cache[1], codec.v_scale)):
+            fp8_write_kernel[grid](x, slots, c, s, H=heads, D=d, E5M2=e5m2, **LAUNCH)
+    elif isinstance(codec, UnquantizedCodec):
+        for x, c in ((k, cache[0]), (v, cache[1])):
+            copy_write_kernel[grid](x, slots, c, H=heads, D=d, **LAUNCH)
+    else:
+        raise NotImplementedError(f"no Triton cache write for {type(codec).__name__}")
