@@ -128,16 +128,17 @@ def tqexport_attention(module, query, key, value, attention_mask, **kwargs):
     if ctx.mode == "export":
         out, new_cache = _emit_nodes(ctx, layer, q, k, v, cache, slot_mapping, block_tables)
         ctx.new_caches[layer.index] = new_cache
+    elif ctx.mode == "inplace":
+        scales = (c.kv_cache_dtype, c.model_dtype, c.k_scale, c.v_scale)
+        torch.ops.tqexport.cache_write(cache, k, v, slot_mapping, *scales)
+        out = torch.ops.tqexport.paged_attention(
+            q, cache, block_tables, step.seq_lens, step.query_start_loc, step.positions,
+            *scales, layer.scale, layer.softcap or 0.0, layer.window or 0,
+        )  # fmt: skip
     else:
         codec = codec_for(c.kv_cache_dtype, c.head_size, c.model_dtype, c.k_scale, c.v_scale)
-        if ctx.mode == "inplace":
-            torch.ops.tqexport.cache_write(
-                cache, k, v, slot_mapping, c.kv_cache_dtype, c.model_dtype, c.k_scale, c.v_scale
-            )
-            new_cache = cache
-        else:
-            new_cache = reference.write_cache(codec, cache, k, v, slot_mapping)
-            ctx.new_caches[layer.index] = new_cache
+        new_cache = reference.write_cache(codec, cache, k, v, slot_mapping)
+        ctx.new_caches[layer.index] = new_cache
         out = reference.paged_attention(
             codec,
             q,

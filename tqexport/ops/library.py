@@ -64,6 +64,14 @@ def paged_attention(
 ) -> torch.Tensor:
     """``softcap`` 0 = none, ``window`` 0 = full attention."""
     codec = codec_for(kv_cache_dtype, q.shape[-1], model_dtype, k_scale, v_scale)
+    if q.is_cuda:
+        from tqexport.ops.triton import paged_attention as triton_attention
+
+        if triton_attention.supports(codec):
+            return triton_attention.paged_attention(
+                codec, q, cache, block_tables, seq_lens, query_start_loc, positions,
+                scale=scale, softcap=softcap or None, window=window or None,
+            )  # fmt: skip
     return reference.paged_attention(
         codec,
         q,

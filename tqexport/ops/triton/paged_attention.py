@@ -1,0 +1,252 @@
+"""PagedAttention kernels: split-KV attention that reads only the (quantized) cache, plus a
+separate log-sum-exp merge kernel over an explicit partial-results tensor.
+
+Grid ``(tokens, kv_heads, splits)``: one program reads one kv head's pages once for all the
+query heads that share it (GQA), dequantizing TurboQuant slots (MSE keys against the rotated
+query, fp8 keys, uniform values), fp8 bytes or unquantized values in registers, and keeps an
+online softmax. Every query attends to the keys it may see (causal, window) from the cache,
+prefill and decode alike. Partial results ``[T, H, splits, D + 2]`` (acc, max, sum) are merged
+by :func:`merge_kernel`. fp8 bytes are decoded through a 256-entry table (exact everywhere).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tqexport.kvquant.bits import FP8_FORMATS, fp8_decode
+from tqexport.kvquant.codecs import Codec, Fp8PerTensorCodec, TurboQuantCodec, UnquantizedCodec
+
+MODE_PLAIN, MODE_FP8, MODE_TQ = 0, 1, 2
+
+
+@triton.jit
+def _fp16_at(ptr, mask):
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _unpack(ptr, rows_off, mask, BITS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+    """Codes [BS, D] from packed bytes starting at ptr + rows_off[:, None]."""
+    if BITS == 4:
+        b = tl.load(
+            ptr + rows_off[:, None] + tl.arange(0, D // 2)[None, :], mask=mask[:, None], other=0
+        )
+        b = b.to(tl.int32)
+        codes = tl.reshape(tl.join(b & 15, b >> 4), (BS, D))
+    else:
+        g = tl.arange(0, D // 8) * 3
+        base = ptr + rows_off[:, None] + g[None, :]
+        b0 = tl.load(base, mask=mask[:, None], other=0).to(tl.int32)
+        b1 = tl.load(base + 1, mask=mask[:, None], other=0).to(tl.int32)
+        b2 = tl.load(base + 2, mask=mask[:, None], other=0).to(tl.int32)
+        word = b0 | (b1 << 8) | (b2 << 16)
+        shifts = tl.arange(0, 8) * 3
+        codes = tl.reshape((word[:, :, None] >> shifts[None, None, :]) & 7, (BS, D))
+    return codes
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, pos_ptr,
+    rot_ptr, cent_ptr, fp8_ptr, partial_ptr,
+    num_seqs, max_blocks, k_scale, v_scale, sm_scale, softcap, window,
+    H: tl.constexpr, KVH: tl.constexpr, GROUPS: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, BS: tl.constexpr, MODE: tl.constexpr, NSPLIT: tl.constexpr,
+    SLOT: tl.constexpr, KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
+    NC: tl.constexpr, NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr,
+    SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    # which sequence this token belongs to: how many sequences end at or before it
+    seq = 0
+    for i in range(0, num_seqs):
+        seq += (tl.load(qsl_ptr + i + 1) <= t).to(tl.int32)
+    real = seq < num_seqs
+    p = tl.load(pos_ptr + t).to(tl.int32)
+    hi = tl.where(real, p + 1, 0)
+    lo = tl.where(window > 0, tl.maximum(p - window + 1, 0), 0)
+    lo = tl.minimum(lo, hi)
+    first = lo // BS
+    n_pages = tl.where(hi > lo, (hi - 1) // BS - first + 1, 0)
+    per = (n_pages + NSPLIT - 1) // NSPLIT
+    start = first + split * per
+    end = tl.minimum(start + per, first + n_pages)
+
+    gi = tl.arange(0, G)
+    d = tl.arange(0, D)
+    gmask = gi < GROUPS
+    heads = kvh * GROUPS + gi
+    q = tl.load(q_ptr + (t * H + heads)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
+    q = q.to(tl.float32)
+    if MODE == 2:
+        if not KEY_FP8:
+            rot = tl.load(rot_ptr + d[:, None] * D + d[None, :])
+            q = tl.sum(q[:, :, None] * rot[None, :, :], axis=1)  # rotated query
+
+    m = tl.full([G], float("-inf"), tl.float32)
+    l_sum = tl.zeros([G], tl.float32)
+    acc = tl.zeros([G, D], tl.float32)
+    seq_row = tl.minimum(seq, num_seqs - 1)
+    for page in range(start, end):
+        phys = tl.load(block_tables_ptr + seq_row * max_blocks + page).to(tl.int64)
+        kpos = page * BS + tl.arange(0, BS)
+        kmask = (kpos >= lo) & (kpos < hi)
+        rows = phys * BS + tl.arange(0, BS)
+        if MODE == 2:
+            slot_off = (rows * KVH + kvh) * SLOT
+            if KEY_FP8:
+                kb = tl.load(k_ptr + slot_off[:, None] + d[None, :], mask=kmask[:, None], other=0)
+                keys = tl.load(fp8_ptr + kb.to(tl.int32))
+                s = tl.sum(q[:, None, :] * keys[None, :, :], axis=2)
+            else:
+                codes = _unpack(k_ptr, slot_off, kmask, KEY_BITS, D, BS)
+                c = tl.load(cent_ptr + codes)
+                if NC:
+                    c = c / tl.sqrt(tl.sum(c * c, axis=1) + 1e-16)[:, None]
+                norm = _fp16_at(k_ptr + slot_off + NORM_OFF, kmask)
+                s = tl.sum(q[:, None, :] * c[None, :, :], axis=2) * norm[None, :]
+            vcodes = _unpack(k_ptr + VAL_OFF, slot_off, kmask, VAL_BITS, D, BS).to(tl.float32)
+            vscale = _fp16_at(k_ptr + slot_off + SCALE_OFF, kmask)
+            vzero = _fp16_at(k_ptr + slot_off + ZERO_OFF, kmask)
+            vals = vcodes * vscale[:, None] + vzero[:, None]
+        else:
+            off = (rows * KVH + kvh)[:, None] * D + d[None, :]
+            kraw = tl.load(k_ptr + off, mask=kmask[:, None], other=0)
+            vraw = tl.load(v_ptr + off, mask=kmask[:, None], other=0)
+            if MODE == 1:
+                keys = tl.load(fp8_ptr + kraw.to(tl.int32)) * k_scale
+                vals = tl.load(fp8_ptr + vraw.to(tl.int32)) * v_scale
+            else:
+                keys = kraw.to(tl.float32)
+                vals = vraw.to(tl.float32)
+            s = tl.sum(q[:, None, :] * keys[None, :, :], axis=2)
+        s = s * sm_scale
+        if softcap > 0:
+            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)  # softcap * tanh(s/cap)
+        s = tl.where(kmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        pr = tl.exp(s - m_safe[:, None])
+        pr = tl.where(kmask[None, :], pr, 0.0)
+        vals = tl.where(kmask[:, None], vals, 0.0)
+        l_sum = l_sum * alpha + tl.sum(pr, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * vals[None, :, :], axis=1)
+        m = m_new
+    base = ((t * H + heads) * NSPLIT + split) * (D + 2)
+    tl.store(partial_ptr + base[:, None] + d[None, :], acc, mask=gmask[:, None])
+    tl.store(partial_ptr + base + D, m, mask=gmask)
+    tl.store(partial_ptr + base + D + 1, l_sum, mask=gmask)
+
+
+@triton.jit
+def merge_kernel(partial_ptr, out_ptr, D: tl.constexpr, NSPLIT: tl.constexpr):
+    """out[t, h] = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M); zeros when nothing is seen."""
+    th = tl.program_id(0)
+    d = tl.arange(0, D)
+    sp = tl.arange(0, NSPLIT)
+    base = (th * NSPLIT + sp) * (D + 2)
+    m = tl.load(partial_ptr + base + D)
+    lsum = tl.load(partial_ptr + base + D + 1)
+    acc = tl.load(partial_ptr + base[:, None] + d[None, :])
+    big = tl.max(m, axis=0)
+    big = tl.where(big == float("-inf"), 0.0, big)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - big))
+    total = tl.sum(lsum * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + th * D + d, out)
+
+
+_PTRS = ("q_ptr", "k_ptr", "v_ptr", "block_tables_ptr", "seq_lens_ptr", "qsl_ptr", "pos_ptr",
+         "rot_ptr", "cent_ptr", "fp8_ptr", "partial_ptr")  # fmt: skip
+_SCALARS = {"num_seqs": "i32", "max_blocks": "i32", "k_scale": "fp32", "v_scale": "fp32",
+            "sm_scale": "fp32", "softcap": "fp32", "window": "i32"}  # fmt: skip
+
+
+def kernel_variants(codec: Codec, heads: int, kv_heads: int, block_size: int, splits: int = 2):
+    """(kernel, signature, constexprs) of both kernels for one layer: ahead-of-time checks."""
+    cache_t = "*fp32" if isinstance(codec, UnquantizedCodec) else "*u8"
+    types = ("*fp32", cache_t, cache_t, "*i32", "*i32", "*i32", "*i64",
+             "*fp32", "*fp32", "*fp32", "*fp32")  # fmt: skip
+    consts = dict(H=heads, KVH=kv_heads, GROUPS=heads // kv_heads,
+                  G=triton.next_power_of_2(heads // kv_heads), D=codec.head_size, BS=block_size,
+                  NSPLIT=splits, **_layout_constants(codec))  # fmt: skip
+    sig = {**dict(zip(_PTRS, types, strict=True)), **_SCALARS, **dict.fromkeys(consts, "constexpr")}
+    merge_consts = dict(D=codec.head_size, NSPLIT=splits)
+    merge_sig = {
+        "partial_ptr": "*fp32",
+        "out_ptr": "*fp32",
+        **dict.fromkeys(merge_consts, "constexpr"),
+    }
+    return [(paged_attention_kernel, sig, consts), (merge_kernel, merge_sig, merge_consts)]
+
+
+def _layout_constants(codec: Codec) -> dict:
+    """MODE and the TurboQuant slot layout as kernel constexprs."""
+    kw = dict(MODE=MODE_PLAIN, SLOT=1, KEY_BITS=4, VAL_BITS=4, KEY_FP8=False, NC=False,
+              NORM_OFF=0, VAL_OFF=0, SCALE_OFF=0, ZERO_OFF=0)  # fmt: skip
+    if isinstance(codec, TurboQuantCodec):
+        lay, p = codec.layout, codec.preset
+        kw.update(MODE=MODE_TQ, SLOT=lay.slot_size_aligned,
+                  KEY_BITS=p.key_bits if not p.key_fp8 else 4, VAL_BITS=p.value_bits,
+                  KEY_FP8=p.key_fp8, NC=p.norm_correction, NORM_OFF=lay.key_norm_offset or 0,
+                  VAL_OFF=lay.value_offset, SCALE_OFF=lay.value_scale_offset,
+                  ZERO_OFF=lay.value_zero_offset)  # fmt: skip
+    elif isinstance(codec, Fp8PerTensorCodec):
+        kw.update(MODE=MODE_FP8)
+    return kw
+
+
+def _fp8_table(fmt) -> torch.Tensor:
+    return fp8_decode(torch.arange(256, dtype=torch.int32).to(torch.uint8), fmt)
+
+
+def supports(codec: Codec) -> bool:
+    d = codec.head_size
+    ok = isinstance(codec, TurboQuantCodec | Fp8PerTensorCodec | UnquantizedCodec)
+    return ok and d & (d - 1) == 0
+
+
+def paged_attention(
+    codec: Codec, q, cache, block_tables, seq_lens, query_start_loc, positions,
+    *, scale: float, softcap: float | None = None, window: int | None = None, splits: int = 2,
+):  # fmt: skip
+    """Same contract as :func:`tqexport.ops.reference.paged_attention`."""
+    tokens, heads, d = q.shape
+    splits = triton.next_power_of_2(max(1, splits))  # the merge kernel ranges over splits
+    kvh, bs = cache[0].shape[2], cache[0].shape[1]
+    groups = heads // kvh
+    dev = q.device
+    partial = torch.empty(tokens, heads, splits, d + 2, dtype=torch.float32, device=dev)
+    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+    kw = _layout_constants(codec)
+    rot = cent = fp8 = dummy
+    k_scale = v_scale = 1.0
+    if isinstance(codec, TurboQuantCodec):
+        k_cache = v_cache = cache[0]
+        fp8 = _fp8_table(FP8_FORMATS["float8_e4m3fn"])
+        if not codec.preset.key_fp8:
+            rot, cent = codec.rotation, codec.centroids
+    elif isinstance(codec, Fp8PerTensorCodec):
+        k_cache, v_cache = cache
+        fp8 = _fp8_table(codec.fmt)
+        k_scale, v_scale = codec.k_scale, codec.v_scale
+    else:
+        k_cache, v_cache = cache
+    paged_attention_kernel[(tokens, kvh, splits)](
+        q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens,
+        query_start_loc, positions, rot.to(dev), cent.to(dev), fp8.to(dev), partial,
+        block_tables.shape[0], block_tables.shape[1], k_scale, v_scale, scale,
+        float(softcap or 0.0), int(window or 0),
+        H=heads, KVH=kvh, GROUPS=groups, G=triton.next_power_of_2(groups), D=d, BS=bs,
+        NSPLIT=splits, **kw,
+    )  # fmt: skip
+    out = torch.empty(tokens, heads, d, dtype=torch.float32, device=dev)
+    merge_kernel[(tokens * heads,)](partial, out, D=d, NSPLIT=splits)
+    return out.to(q.dtype)
