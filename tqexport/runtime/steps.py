@@ -43,14 +43,15 @@ def build_step(
             logits_idx += list(range(base, base + n))
         elif c.want_logits == "last" and n:
             logits_idx.append(base + n - 1)
+        positions = torch.arange(c.start, c.start + n)
         for g in spec.groups:
-            table = c.block_tables[g.id]
-            slots[g.id] += [table[x // bs] * bs + x % bs for x in p]
+            table = torch.tensor(c.block_tables[g.id] or [0], dtype=torch.int64)
+            slots[g.id].append(table[positions // bs] * bs + positions % bs)
     ids += [0] * pad_tokens
     pos += [0] * pad_tokens
     for s in slots:
-        s += [-1] * pad_tokens
-    qsl += [qsl[-1] + pad_tokens] * 0 + [qsl[-1]] * pad_seqs
+        s.append(torch.full((pad_tokens,), -1, dtype=torch.int64))
+    qsl += [qsl[-1]] * pad_seqs  # padding tokens belong to no sequence
     seq_lens += [0] * pad_seqs
     out = {
         "input_ids": torch.tensor(ids, dtype=torch.int64),
@@ -63,7 +64,7 @@ def build_step(
         width = max([len(c.block_tables[g.id]) for c in chunks] + [1])
         rows = [c.block_tables[g.id] + [0] * (width - len(c.block_tables[g.id])) for c in chunks]
         rows += [[0] * width] * pad_seqs
-        out[f"slot_mapping_{g.id}"] = torch.tensor(slots[g.id], dtype=torch.int64)
+        out[f"slot_mapping_{g.id}"] = torch.cat(slots[g.id])
         out[f"block_tables_{g.id}"] = torch.tensor(rows, dtype=torch.int32)
     return out
 
