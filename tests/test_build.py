@@ -30,7 +30,9 @@ def test_parity_ort_vs_reference(artifacts, model, dtype, skip):
     quantized = [la for la in art.spec.layers if la.kv_cache_dtype == dtype]
     assert quantized, "some layers must use the requested dtype"
     report = run_parity(art, steps=3, prompt_len=20, batch=3)
-    assert report.ok, (report.steps, [c for c in report.caches if not c.ok])
+    assert report.ok, [c for c in report.layers if not c.ok]
+    # On these small random models no code flip cascades: end-to-end logits agree too.
+    assert all(c.ok for c in report.logits), report.logits
 
 
 def _node_dtypes(model_path):
