@@ -34,11 +34,10 @@ def _fmt_bytes(n: float) -> str:
 
 def dtype_rows(head_size: int) -> list[dict]:
     """One row per kv-cache dtype at this head size (auto assumed bf16)."""
-    from tqexport.kvquant.codecs import make_codec
+    from tqexport.kvquant.codecs import compression_vs_bf16, make_codec
     from tqexport.kvquant.modes import KV_CACHE_DTYPES
 
     rows = []
-    bf16 = 4 * head_size
     for name, entry in KV_CACHE_DTYPES.items():
         row = {"name": name, "mode": entry.mode.name, "summary": entry.summary, "data_bits": None}
         try:
@@ -57,7 +56,7 @@ def dtype_rows(head_size: int) -> list[dict]:
             available=True,
             bytes_per_token_head=b,
             bits_per_element=8 * b / (2 * head_size),
-            compression_vs_bf16=bf16 / b,
+            compression_vs_bf16=compression_vs_bf16(codec),
         )
         rows.append(row)
     return rows

@@ -343,6 +343,11 @@ class ModelSpec:
                 outputs.append(_io(layer.onnx_output(t.role), t.dtype, shape))
         return {"inputs": inputs, "outputs": outputs}
 
+    @cached_property
+    def input_names(self) -> tuple[str, ...]:
+        """Graph input names in order (derived once: the executor needs them every step)."""
+        return tuple(x["name"] for x in self.graph_io()["inputs"])
+
     def plan_dict(self) -> dict[str, Any]:
         """The per-layer part of the spec (what ``tqexport plan --json`` prints)."""
         return {

@@ -23,13 +23,13 @@ import onnxruntime as ort
 import torch
 
 from tqexport.errors import TQExportError
-from tqexport.models.loader import load_model
 from tqexport.models.paged import PagedCausalLM
 from tqexport.ops import reference
 from tqexport.ops.attributes import CACHE_WRITE, DOMAIN, PAGED_ATTENTION
 from tqexport.ops.library import codec_for
 from tqexport.runtime.artifact import Artifact
 from tqexport.runtime.backends.ort import providers
+from tqexport.runtime.backends.torch import load_source_model
 from tqexport.runtime.caches import allocate_caches
 from tqexport.runtime.steps import SeqChunk, build_step, ordered_inputs
 from tqexport.spec import ModelSpec
@@ -160,12 +160,7 @@ def run_parity(
         raise TQExportError("--prompt-len and --batch must be >= 1, --steps >= 0")
     if spec.dtype == "bfloat16":
         raise TQExportError("parity runs on ONNX Runtime's CPU provider, which has no bf16 MatMul")
-    lm = load_model(spec.model["path"], spec.dtype)
-    if lm.description.config_digest != spec.model["config_digest"]:
-        raise TQExportError(
-            f"the source model at {spec.model['path']} is not the one this artifact was built "
-            "from (config digest differs)"
-        )
+    lm = load_source_model(spec)
     tapped = _TapSession(artifact)
     reference_model = PagedCausalLM(lm.model, spec, mode="functional")
     g = torch.Generator().manual_seed(seed)
@@ -177,7 +172,7 @@ def run_parity(
     tables = [
         [list(range(s, s + n))] * len(spec.groups) for s, n in zip(starts, per_seq, strict=True)
     ]
-    cache_names = [x["name"] for x in spec.graph_io()["inputs"] if x["name"].startswith("cache.")]
+    cache_names = [n for n in spec.input_names if n.startswith("cache.")]
     ref_caches = allocate_caches(spec, 1 + sum(per_seq))
     ort_caches = {k: v.clone() for k, v in ref_caches.items()}
     quantized = any(la.mode.is_quantized for la in spec.layers)

@@ -71,6 +71,5 @@ def build_step(
 
 def ordered_inputs(spec: ModelSpec, step: dict, caches: dict) -> list[torch.Tensor]:
     """Step + cache tensors in the graph's input order."""
-    names = [x["name"] for x in spec.graph_io()["inputs"]]
     merged = {**step, **caches}
-    return [merged[n] for n in names]
+    return [merged[n] for n in spec.input_names]

@@ -9,10 +9,13 @@ are redirected to the null block's first slot, like the reference.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
 
+from tqexport.kvquant import turboquant as tq
 from tqexport.kvquant.bits import FP8_FORMATS
 from tqexport.kvquant.codecs import Codec, Fp8PerTensorCodec, TurboQuantCodec, UnquantizedCodec
 
@@ -140,20 +143,32 @@ def supports(codec: Codec) -> bool:
     )
 
 
+def _turboquant_constants(codec: TurboQuantCodec, heads: int) -> dict:
+    lay, p = codec.layout, codec.preset
+    return dict(
+        H=heads, D=codec.head_size, SLOT=lay.slot_size_aligned,
+        KEY_BITS=p.key_bits if not p.key_fp8 else 1, VAL_BITS=p.value_bits, KEY_FP8=p.key_fp8,
+        NORM_OFF=lay.key_norm_offset or 0, VAL_OFF=lay.value_offset,
+        SCALE_OFF=lay.value_scale_offset, ZERO_OFF=lay.value_zero_offset,
+    )  # fmt: skip
+
+
+@lru_cache(maxsize=32)
+def turboquant_tables(head_size: int, key_bits: int, device: str):
+    """(Hadamard, centroids, thresholds) on ``device``, built once per layout and device."""
+    rot = tq.hadamard(head_size)
+    cents = tq.centroids(head_size, key_bits)
+    return rot.to(device), cents.to(device), tq.thresholds(cents).to(device)
+
+
 def kernel_variants(codec: Codec, heads: int):
     """(kernel, signature, constexprs) this codec launches: used for the ahead-of-time checks."""
     d = codec.head_size
     if isinstance(codec, TurboQuantCodec):
-        lay, p = codec.layout, codec.preset
         sig = {n: t for n, t in zip(
             ("k_ptr", "v_ptr", "slot_ptr", "cache_ptr", "rot_ptr", "th_ptr"),
             ("*fp32", "*fp32", "*i64", "*u8", "*fp32", "*fp32"), strict=True)}  # fmt: skip
-        consts = dict(
-            H=heads, D=d, SLOT=lay.slot_size_aligned, KEY_BITS=p.key_bits if not p.key_fp8 else 1,
-            VAL_BITS=p.value_bits, KEY_FP8=p.key_fp8, NORM_OFF=lay.key_norm_offset or 0,
-            VAL_OFF=lay.value_offset, SCALE_OFF=lay.value_scale_offset,
-            ZERO_OFF=lay.value_zero_offset,
-        )  # fmt: skip
+        consts = _turboquant_constants(codec, heads)
         return [(turboquant_write_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)]
     if isinstance(codec, Fp8PerTensorCodec):
         sig = {"x_ptr": "*fp32", "slot_ptr": "*i64", "cache_ptr": "*u8", "scale": "fp32"}
@@ -170,16 +185,14 @@ def write_cache_(codec: Codec, cache: list[torch.Tensor], k, v, slot_mapping) ->
     grid = (tokens * heads,)
     k, v, slots = k.contiguous(), v.contiguous(), slot_mapping.contiguous()
     if isinstance(codec, TurboQuantCodec):
-        lay, p = codec.layout, codec.preset
-        rot = getattr(codec, "rotation", torch.zeros(1)).to(k.device)
-        th = getattr(codec, "thresholds", torch.zeros(1)).to(k.device)
+        dummy = torch.zeros(1, device=k.device)
+        if codec.preset.key_fp8:
+            rot = th = dummy
+        else:
+            rot, _, th = turboquant_tables(d, codec.preset.key_bits, str(k.device))
         turboquant_write_kernel[grid](
-            k, v, slots, cache[0], rot, th,
-            H=heads, D=d, SLOT=lay.slot_size_aligned, KEY_BITS=p.key_bits if not p.key_fp8 else 1,
-            VAL_BITS=p.value_bits, KEY_FP8=p.key_fp8, NORM_OFF=lay.key_norm_offset or 0,
-            VAL_OFF=lay.value_offset, SCALE_OFF=lay.value_scale_offset,
-            ZERO_OFF=lay.value_zero_offset, **LAUNCH,
-        )  # fmt: skip
+            k, v, slots, cache[0], rot, th, **_turboquant_constants(codec, heads), **LAUNCH
+        )
     elif isinstance(codec, Fp8PerTensorCodec):
         e5m2 = codec.fmt is FP8_FORMATS["float8_e5m2"]
         for x, c, s in ((k, cache[0], codec.k_scale), (v, cache[1], codec.v_scale)):
@@ -188,4 +201,5 @@ def write_cache_(codec: Codec, cache: list[torch.Tensor], k, v, slot_mapping) ->
         for x, c in ((k, cache[0]), (v, cache[1])):
             copy_write_kernel[grid](x, slots, c, H=heads, D=d, **LAUNCH)
     else:
-        raise NotImplementedError(f"no Triton cache write for {type(codec).__name__}")
+        # per-token-head and nvfp4 caches are written by the reference op (see supports())
+        raise ValueError(f"the Triton cache write does not cover {type(codec).__name__}")

@@ -11,12 +11,15 @@ by :func:`merge_kernel`. fp8 bytes are decoded through a 256-entry table (exact 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
 
 from tqexport.kvquant.bits import FP8_FORMATS, fp8_decode
 from tqexport.kvquant.codecs import Codec, Fp8PerTensorCodec, TurboQuantCodec, UnquantizedCodec
+from tqexport.ops.triton.cache_write import turboquant_tables
 
 MODE_PLAIN, MODE_FP8, MODE_TQ = 0, 1, 2
 
@@ -203,8 +206,11 @@ def _layout_constants(codec: Codec) -> dict:
     return kw
 
 
-def _fp8_table(fmt) -> torch.Tensor:
-    return fp8_decode(torch.arange(256, dtype=torch.int32).to(torch.uint8), fmt)
+@lru_cache(maxsize=8)
+def _fp8_table(fmt_name: str, device: str) -> torch.Tensor:
+    """fp8 byte -> float32 value, built once per format and device."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    return fp8_decode(codes, FP8_FORMATS[fmt_name]).to(device)
 
 
 def supports(codec: Codec) -> bool:
@@ -230,18 +236,18 @@ def paged_attention(
     k_scale = v_scale = 1.0
     if isinstance(codec, TurboQuantCodec):
         k_cache = v_cache = cache[0]
-        fp8 = _fp8_table(FP8_FORMATS["float8_e4m3fn"])
+        fp8 = _fp8_table("float8_e4m3fn", str(dev))
         if not codec.preset.key_fp8:
-            rot, cent = codec.rotation, codec.centroids
+            rot, cent, _ = turboquant_tables(d, codec.preset.key_bits, str(dev))
     elif isinstance(codec, Fp8PerTensorCodec):
         k_cache, v_cache = cache
-        fp8 = _fp8_table(codec.fmt)
+        fp8 = _fp8_table(codec.fmt.name, str(dev))
         k_scale, v_scale = codec.k_scale, codec.v_scale
     else:
         k_cache, v_cache = cache
     paged_attention_kernel[(tokens, kvh, splits)](
         q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens,
-        query_start_loc, positions, rot.to(dev), cent.to(dev), fp8.to(dev), partial,
+        query_start_loc, positions, rot, cent, fp8, partial,
         block_tables.shape[0], block_tables.shape[1], k_scale, v_scale, scale,
         float(softcap or 0.0), int(window or 0),
         H=heads, KVH=kvh, GROUPS=groups, G=triton.next_power_of_2(groups), D=d, BS=bs,

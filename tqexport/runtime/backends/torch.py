@@ -16,17 +16,23 @@ from tqexport.runtime.caches import allocate_caches
 from tqexport.runtime.steps import ordered_inputs
 
 
+def load_source_model(spec):
+    """The torch model an artifact was built from, refused if its config digest differs."""
+    lm = load_model(spec.model["path"], spec.dtype)
+    if lm.description.config_digest != spec.model["config_digest"]:
+        raise TQExportError(
+            f"the source model at {spec.model['path']} is not the one this artifact was "
+            "built from (config digest differs)"
+        )
+    return lm
+
+
 class TorchBackend:
     name = "torch"
 
     def __init__(self, artifact: Artifact, num_blocks: int):
         spec = artifact.spec
-        lm = load_model(spec.model["path"], spec.dtype)
-        if lm.description.config_digest != spec.model["config_digest"]:
-            raise TQExportError(
-                f"the source model at {spec.model['path']} is not the one this artifact was "
-                "built from (config digest differs)"
-            )
+        lm = load_source_model(spec)
         self.spec = spec
         self.module = PagedCausalLM(lm.model, spec, mode="inplace")
         self.caches = allocate_caches(spec, num_blocks)
