@@ -30,7 +30,12 @@ demo: install
 	$(BIN)/tqexport inspect $(DEMO_DIR) --kv-cache-memory 256MiB
 	$(BIN)/tqexport run $(DEMO_DIR) --prompt "What is the capital of France?" --max-tokens 48
 
+# The quality/speed report for smollm2 (installs the llama.cpp peer first: it compiles, ~9 min).
+REPORT_DIR := docs/report
+
 bench: install
+	$(BIN)/python -m pip install --quiet -e '.[peers]'
+	$(BIN)/tqexport bench report smollm2 -o $(REPORT_DIR)
 	$(BIN)/python benchmarks/codec_throughput.py
 
 lint: install

@@ -513,6 +513,251 @@ def run(
     )
 
 
+bench_app = typer.Typer(
+    help="Quality (perplexity, KL, top-1 vs llama.cpp) and speed benchmarks.",
+    no_args_is_help=True,
+)
+app.add_typer(bench_app, name="bench")
+
+#: every kv dtype a quality run covers by default (aliases and 16-bit stores left out)
+BENCH_DTYPES = (
+    "fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head",
+    "nvfp4", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",
+)  # fmt: skip
+BENCH_SPEED_DTYPES = ("auto", "fp8", "turboquant_4bit_nc")
+
+
+def _bench_configs(dtypes: list[str] | None, boundary: str, skip_layers: list[str] | None):
+    from tqexport.bench.quality import Config
+    from tqexport.kvquant.modes import parse_kv_cache_dtype
+
+    if boundary not in ("on", "off", "both"):
+        raise TQExportError(f"--boundary must be on, off or both, got {boundary!r}")
+    names = _split(dtypes) or list(BENCH_DTYPES)
+    for n in names:
+        parse_kv_cache_dtype(n)
+    skip = tuple(_split(skip_layers))
+    configs = []
+    for n in names:
+        flags = {"on": [True], "off": [False], "both": [True, False]}[boundary]
+        for b in flags if n.startswith("turboquant") else [True]:
+            configs.append(Config(n, b, skip))
+    return configs
+
+
+def _split(values: list[str] | None) -> list[str]:
+    return [x.strip() for v in values or [] for x in v.split(",") if x.strip()]
+
+
+def _quality(target, configs, text_file, chunk, chunks, peer: bool, threads=None):
+    """Run ours (and the llama.cpp peer when asked and possible); returns (results, notes)."""
+    from rich.progress import Progress
+
+    from tqexport.bench import evaltext, peers, quality
+
+    text = evaltext.file_text(text_file) if text_file else evaltext.pydoc_topics()
+    with Progress(console=err) as bar:
+        task = bar.add_task("tqexport: scoring chunks", total=None)
+        ours, ids = quality.evaluate(
+            target, configs, text, chunk, chunks,
+            progress=lambda done, total: bar.update(task, completed=done, total=total),
+        )  # fmt: skip
+    peer_result, note = None, None
+    source = ours["model"]
+    gguf = peers.gguf_path(source)
+    if not peer:
+        note = "not run (--no-peer)"
+    elif gguf is None:
+        note = f"not run: llama.cpp needs a GGUF model, {source} is not one"
+    elif not peers.available():
+        note = "not run: llama-cpp-python is not installed (pip install -e '.[peers]')"
+    else:
+        err.print(f"llama.cpp: scoring {len(ids)} chunks (f16, q8_0, q4_0)")
+        peer_result = peers.evaluate(gguf, ids, threads=threads)
+    return ours, peer_result, note
+
+
+@bench_app.command("quality")
+def bench_quality(
+    target: Annotated[str, typer.Argument(help="MODEL (HF dir, .gguf, built-in) or artifact DIR.")],
+    kv_cache_dtype: Annotated[
+        list[str] | None,
+        typer.Option(help="kv dtypes to score (repeatable or comma-separated; default: all)."),
+    ] = None,
+    boundary: Annotated[
+        str, typer.Option(help="TurboQuant boundary protection: on, off or both.")
+    ] = "both",
+    skip_layers: SkipOption = None,
+    chunk: Annotated[int, typer.Option(help="Tokens per evaluation window.")] = 1024,
+    chunks: Annotated[int, typer.Option(help="Windows scored (from the text's start).")] = 4,
+    text_file: Annotated[
+        Path | None, typer.Option(help="Evaluate on this UTF-8 text instead of pydoc topics.")
+    ] = None,
+    peer: Annotated[bool, typer.Option(help="Also run llama.cpp's f16/q8_0/q4_0 caches.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+):
+    """Perplexity, KL and top-1 agreement per kv-cache configuration, through the paged caches."""
+    from tqexport.bench.report import with_deltas
+
+    configs = _bench_configs(kv_cache_dtype, boundary, skip_layers)
+    ours, peer_result, note = _quality(target, configs, text_file, chunk, chunks, peer)
+    rows = with_deltas(ours, peer_result)
+    if as_json:
+        print(json.dumps({"quality": ours, "peer": peer_result, "peer_note": note,
+                          "rows": rows}, indent=2))  # fmt: skip
+        return
+    _print_quality(ours, rows, note)
+
+
+def _print_quality(ours: dict, rows: list[dict], note: str | None) -> None:
+    c = ours["chunking"]
+    t = Table(
+        title=f"{ours['model']}: {c['chunks']} x {c['chunk_tokens']} tokens of "
+        f"{ours['text']['name']} (sha256 {ours['text']['sha256'][:12]})"
+    )
+    for col in ("tool", "configuration", "bits/elem", "PPL", "vs own baseline", "KL", "top-1"):
+        t.add_column(col, justify="left" if col in ("tool", "configuration") else "right")
+    for r in rows:
+        t.add_row(
+            r["tool"], r["label"], f"{r['bits_per_element']:.2f}", f"{r['ppl']:.4f}",
+            f"{r['ppl_delta_pct']:+.2f}%", f"{r.get('kl', 0):.5f}",
+            f"{100 * r.get('top1', 1):.2f}%",
+        )  # fmt: skip
+    console.print(t)
+    console.print(
+        "bits/elem: all in, unquantized layers counted at 16 bits; KL = KL(baseline || run)",
+        highlight=False,
+    )
+    if note:
+        err.print(f"llama.cpp peer {note}", highlight=False)
+
+
+@bench_app.command("speed")
+def bench_speed(
+    target: Annotated[
+        str, typer.Argument(help="MODEL (artifacts built per dtype) or artifact DIR.")
+    ],
+    kv_cache_dtype: Annotated[
+        list[str] | None, typer.Option(help="kv dtypes (default: auto, fp8, turboquant_4bit_nc).")
+    ] = None,
+    contexts: Annotated[
+        str, typer.Option(help="Context lengths, comma-separated.")
+    ] = "256,1024,4096",
+    batches: Annotated[str, typer.Option(help="Batch sizes, comma-separated.")] = "1,8",
+    steps: Annotated[int, typer.Option(help="Timed decode steps per point.")] = 4,
+    budget: Annotated[
+        str, typer.Option(help="KV budget for the resident-token column.")
+    ] = "512MiB",
+    workdir: Annotated[Path, typer.Option(help="Where MODEL's artifacts are built.")] = Path(
+        "out/bench"
+    ),
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+):
+    """Decode tokens/s vs context and batch per kv dtype on ONNX Runtime CPU; KV memory."""
+    speed = _speed(target, kv_cache_dtype, contexts, batches, steps, budget, workdir)
+    if as_json:
+        print(json.dumps(speed, indent=2))
+        return
+    _print_speed(speed)
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise TQExportError(f"--{what} must be positive integers separated by commas, got {text!r}")
+    return values
+
+
+def _speed(target, dtypes, contexts, batches, steps, budget, workdir) -> dict:
+    from tqexport.bench import speed
+    from tqexport.runtime.artifact import open_artifact
+    from tqexport.runtime.executor import parse_memory
+
+    ctx, bat = _ints(contexts, "contexts"), _ints(batches, "batches")
+    parse_memory(budget, "--budget")
+    if steps < 1:
+        raise TQExportError(f"--steps must be >= 1, got {steps}")
+    if Path(target).is_dir() and (Path(target) / "tqexport.json").is_file():
+        art = open_artifact(target)
+        name = art.spec.request["kv_cache_dtype"]
+        arts = {"auto": speed.artifact_for(art.spec.model["path"], "auto", workdir)}
+        arts[name] = art
+    else:
+        names = ["auto", *[n for n in _split(dtypes) or BENCH_SPEED_DTYPES if n != "auto"]]
+        arts = {}
+        for n in names:
+            err.print(f"artifact {n}: building or reusing under {workdir}", highlight=False)
+            arts[n] = speed.artifact_for(target, n, workdir)
+    return speed.measure(
+        arts, ctx, bat, steps, budget, progress=lambda what: err.print(what, highlight=False)
+    )
+
+
+def _print_speed(speed: dict) -> None:
+    names = list(speed["decode"][0]["ms_per_step"])
+    t = Table(title="decode on ONNX Runtime CPU (ratios to auto measured in the same run)")
+    for col in ("context", "batch", *[f"{n} tok/s" for n in names],
+                *[f"{n} vs auto" for n in names[1:]]):  # fmt: skip
+        t.add_column(col, justify="right")
+    for r in speed["decode"]:
+        t.add_row(
+            str(r["context"]), str(r["batch"]),
+            *[f"{r['tokens_per_second'][n]:.1f}" for n in names],
+            *[f"{r['speed_vs_auto'][n]:.2f}x" for n in names[1:]],
+        )  # fmt: skip
+    console.print(t)
+    m = Table(title=f"KV memory at a {speed['budget']} budget")
+    for col in ("kv dtype", "KV bytes/token", "resident tokens", "vs auto", "bytes ratio"):
+        m.add_column(col, justify="right")
+    for x in speed["memory"]:
+        m.add_row(
+            x["label"], str(x["kv_bytes_per_token"]), str(x["resident_tokens"]),
+            f"{x['resident_vs_auto']:.3f}x", f"{x['bytes_ratio_auto_over_this']:.3f}x",
+        )  # fmt: skip
+    console.print(m)
+
+
+@bench_app.command("report")
+def bench_report(
+    model: Annotated[str, typer.Argument(help="MODEL (HF dir, .gguf, built-in).")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Report directory.")],
+    chunks: Annotated[int, typer.Option(help="Quality windows of 1024 tokens.")] = 4,
+    contexts: Annotated[str, typer.Option(help="Decode context lengths.")] = "256,1024,4096",
+    batches: Annotated[str, typer.Option(help="Decode batch sizes.")] = "1,8",
+    workdir: Annotated[Path, typer.Option(help="Where the speed artifacts are built.")] = Path(
+        "out/bench"
+    ),
+):
+    """Quality + speed side by side: report.md, PNG plots and results.json in OUT."""
+    from tqexport.bench import report
+
+    configs = _bench_configs(None, "both", None)
+    ours, peer_result, note = _quality(model, configs, None, 1024, chunks, True)
+    speed = _speed(model, None, contexts, batches, 4, "512MiB", workdir)
+    rows = report.with_deltas(ours, peer_result)
+    results = {
+        "model": model,
+        "command": "tqexport bench report " + " ".join(sys.argv[3:]),
+        "machine": report.machine(),
+        "quality": ours,
+        "peer": peer_result,
+        "peer_note": note,
+        "rows": rows,
+        "speed": speed,
+        "goals": report.goals(rows, speed),
+    }
+    files = report.write(out, results)
+    _print_quality(ours, rows, note)
+    _print_speed(speed)
+    for g in results["goals"]:
+        verdict = {True: "MET", False: "NOT MET", None: "NOT MEASURED"}[g["met"]]
+        console.print(f"{g['goal']}: {verdict} ({g['detail']})", highlight=False)
+    console.print("wrote " + ", ".join(str(f) for f in files), highlight=False)
+
+
 def _ok(ok: bool) -> str:
     return "[green]yes[/green]" if ok else "[red]NO[/red]"
 

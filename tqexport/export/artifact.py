@@ -120,29 +120,30 @@ def _save_tokenizer(lm: LoadedModel, target: Path) -> None:
         lm.generation_config.save_pretrained(target)
 
 
-def build_artifact(
-    model: str,
-    out_dir: Path,
-    options: BuildOptions,
-    progress: Callable[[str], None] = lambda stage: None,
-) -> BuildResult:
-    """Load, resolve, export and save; raises TQExportError on bad input before heavy work."""
-    out_dir = Path(out_dir)
-    _check_out_dir(out_dir, options.force)
-    fixed_scale = _parse_scales(options.kv_scales)
+def check_options(model: str, options: BuildOptions):
+    """Validate options and resolve from the config only: bad input fails before weights load."""
+    _parse_scales(options.kv_scales)
     if options.calibration_text is not None and not options.calibration_text.is_file():
         raise TQExportError(f"--calibration-text {options.calibration_text} is not a file")
-    # Resolve from the config first: bad dtypes and skip patterns fail before weights load.
     desc = describe_model(model, options.dtype)
-    resolved = resolve(
+    resolve(
         desc,
         options.kv_cache_dtype,
         options.skip_layers,
         boundary=options.boundary,
         block_size=options.block_size,
     )
-    progress("load")
-    lm = load_model(model, options.dtype)
+
+
+def resolve_spec(
+    model: str,
+    lm: LoadedModel,
+    options: BuildOptions,
+    progress: Callable[[str], None] = lambda stage: None,
+) -> tuple[ModelSpec, list[str]]:
+    """The artifact's spec for a loaded model (kv scales calibrated when asked) and warnings."""
+    fixed_scale = _parse_scales(options.kv_scales)
+    kw = dict(boundary=options.boundary, block_size=options.block_size)
     scales = None
     if fixed_scale is None:
         progress("calibrate")
@@ -151,16 +152,12 @@ def build_artifact(
             if options.calibration_text
             else default_calibration_text()
         )
-        scales = calibrate_scales(lm, resolved.spec, text)
+        plain = resolve(lm.description, options.kv_cache_dtype, options.skip_layers, **kw)
+        scales = calibrate_scales(lm, plain.spec, text)
     elif fixed_scale != 1.0:
-        scales = {la.index: (fixed_scale, fixed_scale) for la in desc.layers}
+        scales = {la.index: (fixed_scale, fixed_scale) for la in lm.description.layers}
     resolved = resolve(
-        lm.description,
-        options.kv_cache_dtype,
-        options.skip_layers,
-        boundary=options.boundary,
-        block_size=options.block_size,
-        kv_scales=scales,
+        lm.description, options.kv_cache_dtype, options.skip_layers, kv_scales=scales, **kw
     )
     spec = resolved.spec
     spec = ModelSpec(
@@ -172,6 +169,22 @@ def build_artifact(
         request={**spec.request, "kv_scales": options.kv_scales, "opset": options.opset},
         io=spec.graph_io(),
     )
+    return spec, list(resolved.warnings)
+
+
+def build_artifact(
+    model: str,
+    out_dir: Path,
+    options: BuildOptions,
+    progress: Callable[[str], None] = lambda stage: None,
+) -> BuildResult:
+    """Load, resolve, export and save; raises TQExportError on bad input before heavy work."""
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir, options.force)
+    check_options(model, options)
+    progress("load")
+    lm = load_model(model, options.dtype)
+    spec, warnings = resolve_spec(model, lm, options, progress)
     progress("export")
     graph = export_model(lm.model, spec, options.opset)
     progress("save")
@@ -196,7 +209,7 @@ def build_artifact(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return BuildResult(out_dir, spec, list(resolved.warnings))
+    return BuildResult(out_dir, spec, warnings)
 
 
 def _source_path(model: str) -> str:

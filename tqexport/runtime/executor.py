@@ -6,6 +6,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from tqexport.errors import TQExportError
 from tqexport.runtime.artifact import Artifact
 from tqexport.runtime.blocks import BlockManager
@@ -26,11 +28,11 @@ _UNITS = {
 }
 
 
-def parse_memory(text: str) -> int:
-    """'512MiB' -> bytes."""
+def parse_memory(text: str, option: str = "--kv-cache-memory") -> int:
+    """'512MiB' -> bytes; ``option`` names the flag in the error."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, re.IGNORECASE)
     if not m:
-        raise TQExportError(f"--kv-cache-memory: cannot read {text!r}; write e.g. 512MiB or 2GiB")
+        raise TQExportError(f"{option}: cannot read {text!r}; write e.g. 512MiB or 2GiB")
     return int(float(m[1]) * _UNITS[(m[2] or "").upper()])
 
 
@@ -69,7 +71,9 @@ class Executor:
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 64,
         threads: int | None = None,
+        source_model=None,
     ):
+        """``source_model``: the torch backend's already loaded model (skips reloading it)."""
         self.artifact = artifact
         self.spec = artifact.spec
         self.num_blocks = resolve_num_blocks(artifact, num_blocks, kv_cache_memory)
@@ -80,7 +84,7 @@ class Executor:
         elif backend == "torch":
             from tqexport.runtime.backends.torch import TorchBackend
 
-            self.backend = TorchBackend(artifact, self.num_blocks)
+            self.backend = TorchBackend(artifact, self.num_blocks, source_model)
         else:
             raise TQExportError(f"unknown backend {backend!r}; use ort or torch")
         self.blocks = BlockManager(self.spec.groups, self.num_blocks)
@@ -160,3 +164,35 @@ class Executor:
                 if on_token:
                     on_token(event)
         return seqs
+
+    def score(self, tokens: list[int]) -> torch.Tensor:
+        """Logits ``[len(tokens), vocab]`` at every position of one sequence.
+
+        The tokens are prefilled through the paged caches in steps of at most
+        ``max_num_batched_tokens``, each asking the graph for every position's logits, so each
+        token attends to cache entries stored in its layer's format. The blocks are freed after.
+        """
+        if not self.scheduler.idle:
+            raise RuntimeError("score() runs on an idle executor (requests are being served)")
+        seq = Sequence(self._next_id, list(tokens), SamplingParams(max_tokens=1))
+        self._next_id += 1
+        if not tokens or not self.blocks.fits_ever(len(tokens)):
+            raise TQExportError(
+                f"a text of {len(tokens)} tokens does not fit in the cache "
+                f"({self.num_blocks - 1} blocks); raise --num-blocks or --kv-cache-memory"
+            )
+        rows = []
+        try:
+            for start in range(0, len(tokens), self.scheduler.max_tokens):
+                piece = tokens[start : start + self.scheduler.max_tokens]
+                self.blocks.grow(seq, start + len(piece))
+                tables = [list(t) for t in seq.block_tables]
+                rows.append(
+                    self.backend.run(build_step(self.spec, [SeqChunk(piece, start, tables, "all")]))
+                )
+                seq.num_cached = start + len(piece)
+                self.steps += 1
+        finally:
+            if seq.block_tables:
+                self.blocks.free(seq)
+        return torch.cat(rows)

@@ -30,9 +30,10 @@ def load_source_model(spec):
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, artifact: Artifact, num_blocks: int):
+    def __init__(self, artifact: Artifact, num_blocks: int, source_model=None):
+        """``source_model``: an already loaded model (a LoadedModel) instead of reloading."""
         spec = artifact.spec
-        lm = load_source_model(spec)
+        lm = source_model or load_source_model(spec)
         self.spec = spec
         self.module = PagedCausalLM(lm.model, spec, mode="inplace")
         self.caches = allocate_caches(spec, num_blocks)

@@ -1,0 +1,206 @@
+"""Quality benchmark arithmetic: perplexity, KL and top-1 through the paged caches on a tiny model,
+checked against direct computations; evaluation text and chunking; report goals."""
+
+import hashlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from tqexport.bench import evaltext, quality, report
+from tqexport.bench.metrics import Totals
+from tqexport.errors import TQExportError
+from tqexport.kvquant.codecs import make_codec
+from tqexport.models.loader import load_model
+
+MODEL = "tiny-llama"
+
+
+class ByteTokenizer:
+    """Bytes as token ids: tiny built-ins have no tokenizer, and the vocab is 256."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": list(text.encode())}
+
+
+def test_totals_match_direct_computation():
+    g = torch.Generator().manual_seed(0)
+    chunks = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (7, 12)]
+    base = [torch.randn(len(c), 50, generator=g) * 3 for c in chunks]
+    run = [b + 0.5 * torch.randn(b.shape, generator=g) for b in base]
+    t = Totals()
+    for c, r, b in zip(chunks, run, base):
+        t.add(r, c, b)
+    lr = torch.cat([r[:-1] for r in run]).double()
+    lb = torch.cat([b[:-1] for b in base]).double()
+    targets = torch.cat([torch.tensor(c[1:]) for c in chunks])
+    s = t.summary()
+    assert s["predictions"] == 6 + 11
+    assert s["ppl"] == pytest.approx(math.exp(F.cross_entropy(lr, targets).item()), rel=1e-12)
+    kl = F.kl_div(lr.log_softmax(-1), lb.log_softmax(-1), log_target=True, reduction="batchmean")
+    assert s["kl"] == pytest.approx(kl.item(), rel=1e-10)
+    assert s["top1"] == (lr.argmax(-1) == lb.argmax(-1)).double().mean().item()
+    same = Totals()
+    same.add(base[0], chunks[0], base[0])
+    assert same.summary()["kl"] == pytest.approx(0, abs=1e-15) and same.summary()["top1"] == 1.0
+
+
+def test_chunking_and_text_identity(tmp_path):
+    assert evaltext.chunk_tokens(list(range(10)), 4, 5) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert evaltext.chunk_tokens(list(range(10)), 4, 1) == [[0, 1, 2, 3]]
+    with pytest.raises(TQExportError, match="fewer than one chunk of 16"):
+        evaltext.chunk_tokens(list(range(10)), 16, 1)
+    text = evaltext.pydoc_topics()
+    from pydoc_data.topics import topics
+
+    keys = sorted(topics)
+    assert text.text.startswith(topics[keys[0]] + "\n\n" + topics[keys[1]])
+    assert text.text.endswith(topics[keys[-1]])
+    f = tmp_path / "t.txt"
+    f.write_text("héllo")
+    got = evaltext.file_text(f)
+    assert got.sha256 == hashlib.sha256("héllo".encode()).hexdigest()
+    assert got.describe()["characters"] == 5
+    with pytest.raises(TQExportError, match="not found"):
+        evaltext.file_text(tmp_path / "missing.txt")
+
+
+def _fake_quant_attention(codec_for_layer):
+    """Eager attention on K/V round-tripped through each layer's codec: an independent path
+    (no paged cache, no block tables, no custom ops) to the same quantized arithmetic."""
+
+    def attend(module, query, key, value, attention_mask, scaling=None, **kw):
+        codec = codec_for_layer(module.layer_idx)
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, D]
+        kq, vq = codec.decode(codec.encode(k, v))
+        kq, vq = kq.transpose(0, 1)[None], vq.transpose(0, 1)[None]
+        groups = query.shape[1] // kq.shape[1]
+        kq, vq = kq.repeat_interleave(groups, 1), vq.repeat_interleave(groups, 1)
+        out = F.scaled_dot_product_attention(query, kq, vq, is_causal=True, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    return attend
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "turboquant_4bit_nc", "int4_per_token_head"])
+def test_paged_perplexity_matches_direct_computation(kv_dtype):
+    text = evaltext.EvalText("bytes", "".join(chr(32 + (i * 7919) % 90) for i in range(200)))
+    res, chunks = quality.evaluate(
+        MODEL, [quality.Config(kv_dtype, boundary=False)], text, chunk=48, max_chunks=3,
+        tokenizer=ByteTokenizer(),
+    )  # fmt: skip
+    assert [len(c) for c in chunks] == [48, 48, 48] and chunks[0] == list(text.text[:48].encode())
+    lm = load_model(MODEL, "float32")
+    spec = quality.resolve_spec(MODEL, lm, quality.BuildOptions(kv_dtype, boundary=False))[0]
+    name = f"tq_fake_{kv_dtype}"
+    codecs = {la.index: make_codec(la.kv_cache_dtype, la.cache.head_size, model_dtype="float32",
+                                   k_scale=la.cache.k_scale, v_scale=la.cache.v_scale)
+              for la in spec.layers}  # fmt: skip
+    transformers.AttentionInterface.register(name, _fake_quant_attention(codecs.__getitem__))
+    lm.model.config._attn_implementation = name
+    direct, base_direct = Totals(), Totals()
+    with torch.no_grad():
+        for c in chunks:
+            logits = lm.model(torch.tensor([c])).logits[0]
+            lm.model.config._attn_implementation = "sdpa"
+            base = lm.model(torch.tensor([c])).logits[0]
+            lm.model.config._attn_implementation = name
+            direct.add(logits, c, base)
+            base_direct.add(base, c, base)
+    run = res["runs"][0] if res["runs"] else res["baseline"]
+    assert run["predictions"] == 3 * 47
+    assert res["baseline"]["ppl"] == pytest.approx(base_direct.summary()["ppl"], rel=1e-5)
+    assert run["ppl"] == pytest.approx(direct.summary()["ppl"], rel=1e-4)
+    assert run["kl"] == pytest.approx(direct.summary()["kl"], rel=1e-3, abs=1e-7)
+    assert run["top1"] == direct.summary()["top1"]
+    assert run["layer_dtypes"] == [la.kv_cache_dtype for la in spec.layers]
+
+
+def test_bits_per_element_counts_every_layer():
+    lm = load_model(MODEL, "float32")
+    spec = quality.resolve_spec(MODEL, lm, quality.BuildOptions("turboquant_4bit_nc"))[0]
+    dtypes = [la.kv_cache_dtype for la in spec.layers]
+    assert dtypes == ["auto", *["turboquant_4bit_nc"] * 4, "auto"]  # 6 layers: boundary 1
+    d = spec.layers[0].cache.head_size  # 64: 70-byte slot for 2*64 elements = 4.375 bits
+    slot_bits = 8 * make_codec("turboquant_4bit_nc", d).bytes_per_token_head / (2 * d)
+    assert quality.bits_per_element(spec, 16) == pytest.approx((2 * 16 + 4 * slot_bits) / 6)
+    assert quality.bits_per_element(spec) == pytest.approx((2 * 32 + 4 * slot_bits) / 6)
+
+
+def test_goals_compare_each_tool_with_its_own_baseline():
+    quality_result = {
+        "baseline": {"label": "auto", "ppl": 10.0, "bits_per_element": 16},
+        "runs": [
+            {"label": "turboquant_4bit_nc", "ppl": 10.5, "bits_per_element": 4.4},
+            {"label": "fp8", "ppl": 10.02, "bits_per_element": 8},
+        ],
+    }
+    peer = {"runs": [
+        {"label": "f16", "kv_type": "f16", "ppl": 12.0, "bits_per_element": 16},
+        {"label": "q8_0", "kv_type": "q8_0", "ppl": 12.0, "bits_per_element": 8.5},
+        {"label": "q4_0", "kv_type": "q4_0", "ppl": 12.72, "bits_per_element": 4.5},
+    ]}  # fmt: skip
+    rows = report.with_deltas(quality_result, peer)
+    assert [round(r["ppl_delta_pct"], 6) for r in rows] == [0, 5, 0.2, 0, 0, 6]
+    g = report.goals(rows, None)
+    assert [x["met"] for x in g] == [True, False]
+    assert g[0]["detail"] == "+5.00% vs +6.00%" and g[1]["detail"] == "+0.20% vs +0.00%"
+    assert [x["met"] for x in report.goals(rows[:3], None)] == [None, None]
+
+
+def test_artifact_dir_is_scored_on_onnx_runtime_like_the_torch_path(artifacts):
+    art = artifacts("tiny-llama", "fp8")
+    text = evaltext.EvalText("bytes", "".join(chr(40 + (i * 31) % 80) for i in range(120)))
+    kw = dict(chunk=40, max_chunks=2, tokenizer=ByteTokenizer())
+    on_dir, _ = quality.evaluate(str(art), [], text, **kw)
+    on_model, _ = quality.evaluate(MODEL, [quality.Config("fp8", boundary=False)], text, **kw)
+    (ort_run,), (torch_run,) = on_dir["runs"], on_model["runs"]
+    assert (ort_run["backend"], torch_run["backend"]) == ("ort", "torch")
+    assert ort_run["layer_dtypes"] == torch_run["layer_dtypes"] == ["fp8"] * 6
+    assert ort_run["ppl"] == pytest.approx(torch_run["ppl"], rel=1e-5)
+    assert ort_run["top1"] == torch_run["top1"]
+
+
+def test_speed_measures_every_artifact_and_memory_from_the_spec(artifacts):
+    from tqexport.bench import speed
+    from tqexport.runtime.artifact import open_artifact
+    from tqexport.runtime.executor import block_bytes
+
+    arts = {d: open_artifact(artifacts("tiny-llama", d)) for d in ("auto", "fp8")}
+    res = speed.measure(arts, [16, 40], [1, 3], steps=2, budget="1MiB")
+    assert [(r["context"], r["batch"]) for r in res["decode"]] == [(16, 1), (16, 3), (40, 1),
+                                                                   (40, 3)]  # fmt: skip
+    for r in res["decode"]:
+        assert r["speed_vs_auto"]["auto"] == 1.0
+        assert r["tokens_per_second"]["fp8"] == pytest.approx(1000 * r["batch"] /
+                                                              r["ms_per_step"]["fp8"])  # fmt: skip
+    mem = {m["label"]: m for m in res["memory"]}
+    for d, art in arts.items():
+        assert mem[d]["resident_tokens"] == (2**20 // block_bytes(art) - 1) * 16
+        assert mem[d]["kv_bytes_per_token"] == art.spec.bytes_per_token
+    assert mem["fp8"]["bytes_ratio_auto_over_this"] == 4.0  # fp32 model dtype vs 1-byte fp8
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["quality", "smollm2", "--boundary", "sideways"], "--boundary must be on, off or both"),
+        (["quality", "smollm2", "--kv-cache-dtype", "fp9"], "unknown kv-cache dtype"),
+        (["quality", "smollm2", "--text-file", "/nonexistent.txt"], "not found"),
+        (["quality", "tiny-llama", "--chunks", "1", "--no-peer"], "has no tokenizer"),
+        (["speed", "smollm2", "--contexts", "1k"], "--contexts must be positive integers"),
+        (["speed", "smollm2", "--budget", "lots"], "--budget: cannot read"),
+    ],
+)
+def test_bench_bad_input_is_one_line_exit_2(args, message):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "tqexport", "bench", *args], capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], r.stderr
+    assert "Traceback" not in r.stderr

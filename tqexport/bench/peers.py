@@ -1,0 +1,95 @@
+"""The peer: llama.cpp (through llama-cpp-python, the optional ``peers`` extra) on the same GGUF.
+
+It is fed the SAME token ids as our runs (tokenized once by the model's HF tokenizer; llama.cpp's
+own tokenizer splits the text slightly differently), scores each chunk from an empty cache with
+every position's logits, flash attention on (llama.cpp needs it for a quantized V cache), and is
+compared with its own f16-cache baseline: the two tools' baselines differ in arithmetic (llama.cpp
+runs the Q4_1 weights with quantized activations, we run them dequantized to fp32).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from tqexport.bench.metrics import Totals
+from tqexport.errors import TQExportError
+
+#: llama.cpp KV cache types and their bits per element (block of 32: fp16 scale + data).
+KV_TYPES = {"f16": 16.0, "q8_0": 8.5, "q4_0": 4.5}
+BASELINE = "f16"
+
+
+def available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gguf_path(model: str) -> Path | None:
+    """The GGUF file behind MODEL (built-in smollm2, a .gguf path), or None."""
+    from tqexport.models.builtins import smollm2_gguf
+
+    if model == "smollm2":
+        return smollm2_gguf()
+    path = Path(model)
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def _llama(path: Path, kv_type: str, chunk: int, threads: int):
+    import llama_cpp
+
+    ggml = getattr(llama_cpp, f"GGML_TYPE_{kv_type.upper()}")
+    return llama_cpp.Llama(
+        str(path),
+        n_ctx=chunk,
+        n_batch=chunk,
+        logits_all=True,
+        flash_attn=True,
+        type_k=ggml,
+        type_v=ggml,
+        n_threads=threads,
+        verbose=False,
+    )
+
+
+def evaluate(
+    path: Path, chunks: list[list[int]], kv_types=tuple(KV_TYPES), threads: int | None = None
+) -> dict:
+    """Perplexity per llama.cpp KV type; KL and top-1 against llama.cpp's own f16 run."""
+    if not available():
+        raise TQExportError(
+            "the llama.cpp peer needs llama-cpp-python: pip install -e '.[peers]' "
+            "(compiles llama.cpp, about 9 minutes on 2 cores)"
+        )
+    import llama_cpp
+
+    threads = threads or os.cpu_count() or 1
+    chunk = len(chunks[0])
+    models = {t: _llama(path, t, chunk, threads) for t in dict.fromkeys((BASELINE, *kv_types))}
+    totals = {t: Totals() for t in models}
+    for ids in chunks:
+        logits = {}
+        for t, llm in models.items():
+            llm.reset()
+            llm.eval(ids)
+            logits[t] = np.array(llm.scores[: len(ids)], dtype=np.float32)
+        for t in models:
+            totals[t].add(logits[t], ids, logits[BASELINE])
+    return {
+        "tool": f"llama.cpp via llama-cpp-python {llama_cpp.__version__}",
+        "gguf": path.name,
+        "runs": [
+            {
+                "label": f"llama.cpp {t}",
+                "kv_type": t,
+                "bits_per_element": KV_TYPES[t],
+                **totals[t].summary(),
+            }
+            for t in models
+        ],  # fmt: skip
+    }

@@ -1,0 +1,153 @@
+"""``tqexport bench quality``: perplexity, KL and top-1 agreement per kv-cache configuration.
+
+Every configuration is scored THROUGH an executor's paged caches: each chunk is prefilled with
+the graph's ``logits_indices`` asking for every position, and attention reads the cache (DESIGN
+"Attention semantics"), so every prediction sees cache entries stored in its layer's format.
+Given a MODEL, each configuration's spec is resolved from it and run on the torch reference ops
+(no export needed); given an artifact DIR, its own configuration runs on ONNX Runtime. The
+baseline (every layer ``auto``) always runs on the torch reference ops of the same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqexport.bench.evaltext import EvalText, chunk_tokens
+from tqexport.bench.metrics import Totals
+from tqexport.errors import TQExportError
+from tqexport.export.artifact import BuildOptions, resolve_spec
+from tqexport.runtime.artifact import Artifact, open_artifact
+from tqexport.runtime.executor import Executor
+from tqexport.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Config:
+    """One kv-cache configuration of the model."""
+
+    kv_cache_dtype: str
+    boundary: bool = True
+    skip_layers: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        extra = (
+            []
+            if self.boundary or not self.kv_cache_dtype.startswith("turboquant")
+            else ["no-boundary"]
+        )
+        extra += [f"skip {','.join(self.skip_layers)}"] if self.skip_layers else []
+        return " ".join([self.kv_cache_dtype, *extra])
+
+
+def bits_per_element(spec: ModelSpec, model_bits: int | None = None) -> float:
+    """KV bits per stored K or V element, all in: every layer's bytes (skipped ones included).
+
+    ``model_bits`` counts ``auto`` layers at that width instead of the spec's model dtype (the
+    runs here are fp32; a deployment keeps unquantized layers in 16 bits).
+    """
+    bits = elems = 0
+    for la in spec.layers:
+        n = 2 * la.cache.num_kv_heads * la.cache.head_size
+        plain = model_bits is not None and la.kv_cache_dtype == "auto"
+        bits += n * model_bits if plain else 8 * la.cache.bytes_per_token
+        elems += n
+    return bits / elems
+
+
+@dataclass
+class Run:
+    """One configuration's executor and its running totals."""
+
+    config: Config | None
+    spec: ModelSpec
+    executor: Executor
+    backend: str
+    totals: Totals = field(default_factory=Totals)
+
+    def result(self) -> dict:
+        quantized = sorted({la.kv_cache_dtype for la in self.spec.layers} - {"auto"})
+        return {
+            "label": self.config.label if self.config else self.spec.request["kv_cache_dtype"],
+            "kv_cache_dtype": self.spec.request["kv_cache_dtype"],
+            "boundary": self.spec.request.get("boundary", True),
+            "skip_layers": list(self.spec.request.get("skip_layers", [])),
+            "layer_dtypes": [la.kv_cache_dtype for la in self.spec.layers],
+            "quantized_dtypes": quantized,
+            "bits_per_element": bits_per_element(self.spec, 16),
+            "bits_per_element_as_run": bits_per_element(self.spec),
+            "kv_bytes_per_token": self.spec.bytes_per_token,
+            "backend": self.backend,
+            **self.totals.summary(),
+        }
+
+
+def _executor(spec: ModelSpec, backend: str, chunk: int, artifact_dir=None, lm=None):
+    blocks = -(-chunk // spec.block_size) + 1
+    art = Artifact(Path(artifact_dir) if artifact_dir else Path("."), spec)
+    return Executor(art, backend, num_blocks=blocks, max_num_batched_tokens=chunk, source_model=lm)
+
+
+def _source_model(spec_or_model):
+    from tqexport.models.loader import load_model
+    from tqexport.runtime.backends.torch import load_source_model
+
+    if isinstance(spec_or_model, ModelSpec):
+        return load_source_model(spec_or_model)
+    return load_model(spec_or_model, "float32")
+
+
+def evaluate(
+    target: str,
+    configs: list[Config],
+    text: EvalText,
+    chunk: int = 1024,
+    max_chunks: int = 8,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+    tokenizer=None,
+) -> tuple[dict, list[list[int]]]:
+    """Score MODEL (``configs``) or an artifact DIR (its own config) against the baseline.
+
+    Returns the results and the token chunks scored (for the peer to score the same ids)."""
+    is_dir = Path(target).is_dir() and (Path(target) / "tqexport.json").is_file()
+    if is_dir:
+        art = open_artifact(target)
+        lm = _source_model(art.spec)
+        model_name = art.spec.model["path"]
+    else:
+        lm = _source_model(target)
+        model_name = target
+    tok = tokenizer or lm.tokenizer
+    if tok is None:
+        raise TQExportError(
+            f"{model_name} has no tokenizer (a tiny random built-in): evaluate a real model"
+        )
+    tokens = tok(text.text, add_special_tokens=False)["input_ids"]
+    chunks = chunk_tokens(tokens, chunk, max_chunks)
+    base_spec, _ = resolve_spec(model_name, lm, BuildOptions(kv_cache_dtype="auto"))
+    base = Run(Config("auto"), base_spec, _executor(base_spec, "torch", chunk, lm=lm), "torch")
+    runs = []
+    if is_dir:
+        runs.append(Run(None, art.spec, _executor(art.spec, "ort", chunk, art.path), "ort"))
+    for c in configs:
+        if c.kv_cache_dtype == "auto" and not c.skip_layers:
+            continue  # the baseline itself
+        opts = BuildOptions(c.kv_cache_dtype, list(c.skip_layers), c.boundary)
+        spec, _ = resolve_spec(model_name, lm, opts)
+        runs.append(Run(c, spec, _executor(spec, "torch", chunk, lm=lm), "torch"))
+    for i, ids in enumerate(chunks):
+        ref = base.executor.score(ids)
+        base.totals.add(ref, ids, ref)
+        for run in runs:
+            run.totals.add(run.executor.score(ids), ids, ref)
+        progress(i + 1, len(chunks))
+    results = {
+        "model": model_name,
+        "text": text.describe(),
+        "chunking": {"chunk_tokens": chunk, "chunks": len(chunks), "text_tokens": len(tokens)},
+        "baseline": base.result(),
+        "runs": [r.result() for r in runs],
+    }
+    return results, chunks

@@ -1,0 +1,283 @@
+"""The benchmark report: ``results.json`` (every number), ``report.md`` and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    import onnxruntime
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        mem = next(
+            int(ln.split()[1]) * 1024
+            for ln in Path("/proc/meminfo").read_text().splitlines()
+            if ln.startswith("MemTotal")
+        )
+    except (OSError, StopIteration):
+        mem = None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem / 2**30, 1) if mem else None,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "transformers": transformers.__version__,
+        "gpu": None,
+    }
+
+
+def with_deltas(quality: dict | None, peer: dict | None) -> list[dict]:
+    """Every quality row with its PPL change vs its own tool's baseline, ours first."""
+    rows = []
+    if quality:
+        base = quality["baseline"]["ppl"]
+        for r in [quality["baseline"], *quality["runs"]]:
+            rows.append({"tool": "tqexport", **r, "ppl_delta_pct": 100 * (r["ppl"] / base - 1)})
+    if peer:
+        base = next(r["ppl"] for r in peer["runs"] if r["kv_type"] == "f16")
+        for r in peer["runs"]:
+            rows.append({"tool": "llama.cpp", **r, "ppl_delta_pct": 100 * (r["ppl"] / base - 1)})
+    return rows
+
+
+def _find(rows, tool, label):
+    return next((r for r in rows if r["tool"] == tool and r["label"] == label), None)
+
+
+def goals(rows: list[dict], speed: dict | None) -> list[dict]:
+    """The report issue's goals, each stated as met, not met, or not measured."""
+    out = []
+    for ours, theirs in (("turboquant_4bit_nc", "q4_0"), ("fp8", "q8_0")):
+        a, b = _find(rows, "tqexport", ours), _find(rows, "llama.cpp", theirs)
+        goal = (
+            f"{ours} PPL increase {'below' if theirs == 'q4_0' else 'no worse than'} "
+            f"llama.cpp {theirs}'s"
+        )
+        if a is None or b is None:
+            out.append({"goal": goal, "met": None, "detail": "not measured in this run"})
+            continue
+        da, db = a["ppl_delta_pct"], b["ppl_delta_pct"]
+        met = da < db if theirs == "q4_0" else da <= db
+        out.append({"goal": goal, "met": met, "detail": f"{da:+.2f}% vs {db:+.2f}%"})
+    if speed:
+        worst = max(
+            abs(m["resident_vs_auto"] / m["bytes_ratio_auto_over_this"] - 1)
+            for m in speed["memory"]
+        )
+        out.append({
+            "goal": "resident tokens at the KV budget match the spec's bytes-per-token ratios",
+            "met": worst < 0.01,
+            "detail": f"largest relative gap {100 * worst:.2f}% (whole blocks and the null block)",
+        })  # fmt: skip
+    return out
+
+
+def plot_quality(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    styles = {"tqexport": ("o", "tab:blue"), "llama.cpp": ("s", "tab:red")}
+    for tool, (marker, color) in styles.items():
+        pts = [r for r in rows if r["tool"] == tool]
+        ax.scatter([r["bits_per_element"] for r in pts], [r["ppl_delta_pct"] for r in pts],
+                   marker=marker, color=color, label=tool)  # fmt: skip
+        for r in pts:
+            ax.annotate(r["label"], (r["bits_per_element"],
+                        r["ppl_delta_pct"]), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")  # fmt: skip
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_xlabel("KV bits per element, all in (unquantized boundary layers included)")
+    ax.set_ylabel("perplexity increase vs own unquantized baseline (%)")
+    ax.axhline(0, color="gray", lw=0.5)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_speed(speed: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    batches = sorted({r["batch"] for r in speed["decode"]})
+    names = list(speed["decode"][0]["tokens_per_second"])
+    for i, name in enumerate(names):
+        for j, b in enumerate(batches):
+            pts = [r for r in speed["decode"] if r["batch"] == b]
+            ax.plot([r["context"] for r in pts], [r["tokens_per_second"][name] for r in pts],
+                    marker="o", color=f"C{i}", ls=["-", "--", ":", "-."][j % 4],
+                    label=f"{name}, batch {b}")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens cached per sequence)")
+    ax.set_ylabel("decode tokens/s (ONNX Runtime CPU)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _md_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def markdown(results: dict) -> str:
+    m, q, rows, speed = (
+        results["machine"],
+        results.get("quality"),
+        results["rows"],
+        results.get("speed"),
+    )
+    parts = [
+        f"# KV-cache quality and speed report: {results['model']}",
+        "",
+        f"Generated by `{results['command']}`. Every number below is in `results.json`.",
+        "",
+        "## Machine",
+        "",
+        f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, no GPU; {m['os']}; Python "
+        f"{m['python']}, torch {m['torch']}, onnxruntime {m['onnxruntime']}, transformers "
+        f"{m['transformers']}.",
+    ]
+    if q:
+        t, c = q["text"], q["chunking"]
+        parts += [
+            "",
+            "## Quality",
+            "",
+            f"Text: {t['name']}, {t['characters']} characters, SHA-256 `{t['sha256']}` "
+            f"(Python {t['python']}). {c['text_tokens']} tokens (HF tokenizer, no special tokens);"
+            f" the first {c['chunks']} windows of {c['chunk_tokens']} tokens, each scored from an "
+            f"empty cache: {c['chunks'] * (c['chunk_tokens'] - 1)} predictions. Ours run through "
+            "the executor's paged caches (every position's logits, attention reads the cache); "
+            "KL is KL(baseline || run) per next-token distribution, averaged; top-1 is argmax "
+            "agreement with the same tool's own unquantized baseline.",
+            "",
+        ]
+        if results.get("peer"):
+            parts += [f"Peer: {results['peer']['tool']} on {results['peer']['gguf']}, same token "
+                      "ids, flash attention on.", ""]  # fmt: skip
+        elif results.get("peer_note"):
+            parts += [f"Peer: {results['peer_note']}", ""]
+        parts.append(
+            _md_table(
+                [
+                    "tool",
+                    "configuration",
+                    "bits/elem all in",
+                    "PPL",
+                    "PPL change",
+                    "mean KL",
+                    "top-1",
+                ],
+                [
+                    [
+                        r["tool"],
+                        r["label"],
+                        f"{r['bits_per_element']:.2f}",
+                        f"{r['ppl']:.4f}",
+                        f"{r['ppl_delta_pct']:+.2f}%",
+                        f"{r.get('kl', 0):.5f}",
+                        f"{100 * r.get('top1', 1):.2f}%",
+                    ]
+                    for r in rows
+                ],
+            )  # fmt: skip
+        )
+        parts += ["", "![PPL change vs bits per element](ppl_vs_bits.png)"]
+    if speed:
+        d = speed["decode"]
+        names = list(d[0]["ms_per_step"])
+        parts += [
+            "",
+            "## Decode speed (ONNX Runtime CPU) and memory",
+            "",
+            f"{speed['steps']} decode steps per point after one warm-up step, fastest counted; "
+            "cache bytes are zeros (decode cost does not depend on them).",
+            "",
+            _md_table(
+                [
+                    "context",
+                    "batch",
+                    *[f"{n} tok/s" for n in names],
+                    *[f"{n} vs auto" for n in names if n != "auto"],
+                ],
+                [
+                    [
+                        r["context"],
+                        r["batch"],
+                        *[f"{r['tokens_per_second'][n]:.1f}" for n in names],
+                        *[f"{r['speed_vs_auto'][n]:.2f}x" for n in names if n != "auto"],
+                    ]
+                    for r in d
+                ],
+            ),  # fmt: skip
+            "",
+            f"KV budget {speed['budget']}:",
+            "",
+            _md_table(
+                [
+                    "configuration",
+                    "KV bytes/token",
+                    "resident tokens",
+                    "vs auto",
+                    "bytes ratio (spec)",
+                ],
+                [
+                    [
+                        x["label"],
+                        x["kv_bytes_per_token"],
+                        x["resident_tokens"],
+                        f"{x['resident_vs_auto']:.3f}x",
+                        f"{x['bytes_ratio_auto_over_this']:.3f}x",
+                    ]
+                    for x in speed["memory"]
+                ],
+            ),  # fmt: skip
+            "",
+            "![decode tokens/s vs context](decode_vs_context.png)",
+        ]
+    parts += ["", "## Goals", ""]
+    for g in results["goals"]:
+        verdict = {True: "MET", False: "NOT MET", None: "NOT MEASURED"}[g["met"]]
+        parts.append(f"- {g['goal']}: **{verdict}** ({g['detail']})")
+    return "\n".join(parts) + "\n"
+
+
+def write(out_dir: Path, results: dict) -> list[Path]:
+    """Write results.json, the plots and report.md into ``out_dir``; returns the files."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = [out_dir / "results.json"]
+    files[0].write_text(json.dumps(results, indent=2) + "\n")
+    if results["rows"]:
+        plot_quality(results["rows"], out_dir / "ppl_vs_bits.png")
+        files.append(out_dir / "ppl_vs_bits.png")
+    if results.get("speed"):
+        plot_speed(results["speed"], out_dir / "decode_vs_context.png")
+        files.append(out_dir / "decode_vs_context.png")
+    (out_dir / "report.md").write_text(markdown(results))
+    files.append(out_dir / "report.md")
+    return files

@@ -1,0 +1,87 @@
+"""``tqexport bench speed``: decode speed on ONNX Runtime CPU per kv dtype, and KV memory.
+
+Per configuration, B sequences with C tokens already cached (contiguous block tables; the cache
+bytes are zeros, decode cost does not depend on their values) take N single-token decode steps;
+the fastest step after a warm-up one counts. Reported: ms per step, tokens/s and the ratio to
+``auto`` measured in the same run, KV bytes per token, and the tokens a fixed KV budget holds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tqexport.runtime.artifact import Artifact, open_artifact
+from tqexport.runtime.backends.ort import OrtBackend
+from tqexport.runtime.executor import block_bytes, parse_memory
+from tqexport.runtime.steps import SeqChunk, build_step
+
+
+def artifact_for(model: str, kv_cache_dtype: str, workdir: Path) -> Artifact:
+    """The artifact of MODEL at this kv dtype, built into ``workdir`` once and then reused."""
+    from tqexport.export.artifact import BuildOptions, build_artifact
+
+    out = workdir / f"{Path(model).name}-{kv_cache_dtype}"
+    if not (out / "tqexport.json").is_file():
+        workdir.mkdir(parents=True, exist_ok=True)
+        build_artifact(model, out, BuildOptions(kv_cache_dtype=kv_cache_dtype))
+    return open_artifact(out)
+
+
+def decode_ms(
+    art: Artifact, context: int, batch: int, steps: int, threads=None, extra_blocks: int = 0
+) -> float:
+    """Fastest decode step (ms) of ``batch`` sequences holding ``context`` cached tokens;
+    ``extra_blocks`` grows the cache beyond what they use (in-place updates keep it flat)."""
+    spec = art.spec
+    per_seq = -(-(context + steps) // spec.block_size)
+    backend = OrtBackend(art, 1 + batch * per_seq + extra_blocks, threads)
+    tables = [
+        [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))] * len(spec.groups)
+        for i in range(batch)
+    ]
+    times = []
+    for s in range(steps + 1):
+        step = build_step(spec, [SeqChunk([7], context + s, t) for t in tables])
+        t0 = time.perf_counter()
+        backend.run(step)
+        times.append(time.perf_counter() - t0)
+    return 1000 * min(times[1:])
+
+
+def measure(
+    arts: dict[str, Artifact],
+    contexts: list[int],
+    batches: list[int],
+    steps: int = 4,
+    budget: str = "512MiB",
+    threads: int | None = None,
+    progress: Callable[[str], None] = lambda what: None,
+) -> dict:
+    """Decode timings per (context, batch) for every artifact (``auto`` first), and memory."""
+    rows = []
+    for c in contexts:
+        for b in batches:
+            ms = {}
+            for name, art in arts.items():
+                progress(f"context {c} batch {b}: {name}")
+                ms[name] = decode_ms(art, c, b, steps, threads)
+            rows.append({
+                "context": c, "batch": b,
+                "ms_per_step": ms,
+                "tokens_per_second": {n: 1000 * b / v for n, v in ms.items()},
+                "speed_vs_auto": {n: ms["auto"] / v for n, v in ms.items()},
+            })  # fmt: skip
+    nbytes = parse_memory(budget)
+    memory = []
+    for name, art in arts.items():
+        resident = (nbytes // block_bytes(art) - 1) * art.spec.block_size
+        memory.append({"label": name, "kv_bytes_per_token": art.spec.bytes_per_token,
+                       "resident_tokens": resident})  # fmt: skip
+    auto = next(m for m in memory if m["label"] == "auto")
+    for m in memory:
+        m["resident_vs_auto"] = m["resident_tokens"] / auto["resident_tokens"]
+        m["bytes_ratio_auto_over_this"] = auto["kv_bytes_per_token"] / m["kv_bytes_per_token"]
+    return {"threads": threads, "steps": steps, "budget": budget, "decode": rows,
+            "memory": memory}  # fmt: skip
