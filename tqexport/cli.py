@@ -110,6 +110,13 @@ BoundaryOption = Annotated[
     bool, typer.Option(help="TurboQuant boundary protection (first/last 2 layers).")
 ]
 BlockSizeOption = Annotated[int, typer.Option(help="Tokens per cache block.")]
+RecentWindowOption = Annotated[
+    int,
+    typer.Option(
+        "--kv-recent-window",
+        help="Also keep each quantized layer's last N tokens in the model dtype (0 = off).",
+    ),
+]
 
 
 @app.command()
@@ -119,6 +126,7 @@ def plan(
     skip_layers: SkipOption = None,
     boundary: BoundaryOption = True,
     block_size: BlockSizeOption = 16,
+    recent_window: RecentWindowOption = 0,
     dtype: Annotated[
         str | None, typer.Option(help="Model dtype (default: the config's, else float32).")
     ] = None,
@@ -131,7 +139,10 @@ def plan(
     from tqexport.resolve import resolve
 
     desc = describe_model(model, dtype)
-    res = resolve(desc, kv_cache_dtype, skip_layers or [], boundary=boundary, block_size=block_size)
+    res = resolve(
+        desc, kv_cache_dtype, skip_layers or [], boundary=boundary, block_size=block_size,
+        recent_window=recent_window,
+    )  # fmt: skip
     for w in res.warnings:
         err.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
     spec = res.spec
@@ -150,6 +161,7 @@ def plan(
         "storage",
         "bytes/token",
         "group",
+        "recent window",
         "why unquantized",
     ):
         t.add_column(col)
@@ -163,12 +175,13 @@ def plan(
             la.cache.storage_dtype,
             str(la.cache.bytes_per_token),
             str(la.group),
+            f"{la.recent_window} (group {la.recent_group})" if la.recent else "-",
             la.skipped_by or "",
         )
     console.print(t)
     groups = ", ".join(
-        f"group {g.id}: {'full' if g.window is None else f'window {g.window}'} "
-        f"({len(g.layers)} layers)"
+        f"group {g.id}: {'recent ' if g.recent else ''}"
+        f"{'full' if g.window is None else f'window {g.window}'} ({len(g.layers)} layers)"
         for g in spec.groups
     )
     ratio = spec.bf16_bytes_per_token / spec.bytes_per_token
@@ -190,6 +203,7 @@ def build(
     skip_layers: SkipOption = None,
     boundary: BoundaryOption = True,
     block_size: BlockSizeOption = 16,
+    recent_window: RecentWindowOption = 0,
     dtype: Annotated[
         str | None,
         typer.Option(help="float32 | float16 | bfloat16 (bf16 is a GPU target). Default: float32."),
@@ -219,6 +233,7 @@ def build(
         skip_layers=skip_layers or [],
         boundary=boundary,
         block_size=block_size,
+        recent_window=recent_window,
         dtype=dtype or "float32",
         opset=opset,
         force=force,
@@ -273,6 +288,12 @@ def build(
         f"artifact size: {_fmt_bytes(result.size_bytes)}",
         highlight=False,
     )
+    if spec.recent_window:
+        console.print(
+            f"recent window: the last {spec.recent_window} tokens of each sequence also kept in "
+            f"{spec.dtype}, {spec.recent_bytes_per_token} bytes per token of the window",
+            highlight=False,
+        )
 
 
 @app.command()
@@ -325,6 +346,9 @@ def inspect(
     artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
     num_blocks: MemoryOptions[0] = None,
     kv_cache_memory: MemoryOptions[1] = None,
+    max_num_seqs: Annotated[
+        int, typer.Option(help="Sequences per step (sizes the recent-window caches).")
+    ] = 64,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ):
     """Per-layer cache allocation of an artifact, and totals vs an all-bf16 cache."""
@@ -333,7 +357,8 @@ def inspect(
 
     art = open_artifact(artifact)
     spec = art.spec
-    blocks = resolve_num_blocks(art, num_blocks, kv_cache_memory)
+    per_group = resolve_num_blocks(art, num_blocks, kv_cache_memory, max_num_seqs)
+    blocks = max(per_group)
     rows = [
         {
             "index": la.index,
@@ -343,8 +368,11 @@ def inspect(
             "quant_mode": la.mode.name,
             "group": la.group,
             "bytes_per_token": la.cache.bytes_per_token,
-            "blocks": blocks,
-            "bytes": blocks * la.cache.page_size_bytes,
+            "recent_window": la.recent_window,
+            "recent_group": la.recent_group,
+            "blocks": per_group[la.group],
+            "bytes": per_group[la.group] * la.cache.page_size_bytes
+            + (per_group[la.recent_group] * la.recent.page_size_bytes if la.recent else 0),
         }
         for la in spec.layers
     ]
@@ -352,9 +380,10 @@ def inspect(
     bf16 = blocks * spec.block_size * spec.bf16_bytes_per_token
     tokens = (blocks - 1) * spec.block_size
     groups = [
-        {"id": g.id, "window": g.window, "layers": list(g.layers), "blocks": blocks - 1}
+        {"id": g.id, "window": g.window, "recent": g.recent, "layers": list(g.layers),
+         "blocks": per_group[g.id] - 1}
         for g in spec.groups
-    ]
+    ]  # fmt: skip
     summary = {
         "num_blocks": blocks,
         "block_size": spec.block_size,
@@ -379,19 +408,22 @@ def inspect(
         "mode",
         "group",
         "bytes/token",
+        "recent window",
         "blocks",
         "bytes",
     ):
         t.add_column(col)
     for r in rows:
+        recent = f"{r['recent_window']} (group {r['recent_group']})" if r["recent_window"] else "-"
         t.add_row(
             str(r["index"]), r["attention_type"], str(r["window"] or "-"), r["kv_cache_dtype"],
-            r["quant_mode"], str(r["group"]), str(r["bytes_per_token"]), str(r["blocks"]),
-            _fmt_bytes(r["bytes"]),
+            r["quant_mode"], str(r["group"]), str(r["bytes_per_token"]), recent,
+            str(r["blocks"]), _fmt_bytes(r["bytes"]),
         )  # fmt: skip
     console.print(t)
     for g in groups:
         what = "full attention" if g["window"] is None else f"window {g['window']}"
+        what = f"recent-window caches, {what}" if g["recent"] else what
         console.print(
             f"group {g['id']} ({what}): layers {g['layers']}, {g['blocks']} usable blocks"
         )
@@ -730,12 +762,29 @@ def bench_report(
     workdir: Annotated[Path, typer.Option(help="Where the speed artifacts are built.")] = Path(
         "out/bench"
     ),
+    quality_json: Annotated[
+        Path | None,
+        typer.Option(help="Reuse this `bench quality MODEL --json` output instead of rerunning."),
+    ] = None,
 ):
     """Quality + speed side by side: report.md, PNG plots and results.json in OUT."""
     from tqexport.bench import report
 
-    configs = _bench_configs(None, "both", None)
-    ours, peer_result, note = _quality(model, configs, None, 1024, chunks, True)
+    if quality_json is not None:
+        try:
+            saved = json.loads(quality_json.read_text())
+            ours, peer_result, note = saved["quality"], saved["peer"], saved["peer_note"]
+        except (OSError, ValueError, KeyError):
+            raise TQExportError(
+                f"--quality-json {quality_json} is not the output of `bench quality --json`"
+            ) from None
+        if ours["model"] != model:
+            raise TQExportError(
+                f"--quality-json {quality_json} is for {ours['model']}, not {model}"
+            )
+    else:
+        configs = _bench_configs(None, "both", None)
+        ours, peer_result, note = _quality(model, configs, None, 1024, chunks, True)
     speed = _speed(model, None, contexts, batches, 4, "512MiB", workdir)
     rows = report.with_deltas(ours, peer_result)
     results = {

@@ -21,6 +21,7 @@ from tqexport.spec import (
     ModelSpec,
     build_groups,
     cache_spec,
+    recent_spec,
 )
 
 UNQUANTIZED = "auto"
@@ -165,12 +166,17 @@ def resolve(
     boundary: bool = True,
     block_size: int = DEFAULT_BLOCK_SIZE,
     kv_scales: dict[int, tuple[float, float]] | None = None,
+    recent_window: int = 0,
 ) -> Resolution:
     """Decide every layer's cache. ``boundary`` turns TurboQuant boundary protection on/off;
-    ``kv_scales`` maps layer index -> (k_scale, v_scale) for fp8/nvfp4 layers (default 1.0)."""
+    ``kv_scales`` maps layer index -> (k_scale, v_scale) for fp8/nvfp4 layers (default 1.0);
+    ``recent_window`` N > 0 also keeps the last N tokens of every quantized layer in the model
+    dtype (a sliding layer keeps at most its own window)."""
     entry = parse_kv_cache_dtype(kv_cache_dtype)
     if block_size <= 0:
         raise ResolveError(f"--block-size must be positive, got {block_size}")
+    if recent_window < 0:
+        raise ResolveError(f"--kv-recent-window must be >= 0, got {recent_window}")
     layers = model.layers
     if not layers:
         raise ResolveError(f"model {model.name!r} has no attention layers")
@@ -189,8 +195,21 @@ def resolve(
         for i in sorted(turboquant_boundary(len(layers))):
             skipped.setdefault(i, "turboquant boundary")
 
-    groups = build_groups({la.index: la.window for la in layers}, block_size)
-    group_of = {ix: g.id for g in groups for ix in g.layers}
+    recent = {}
+    if recent_window and not entry.mode.is_quantized:
+        warnings.append(
+            f"--kv-recent-window {recent_window}: {kv_cache_dtype} is not quantized; "
+            "no layer gets a recent window"
+        )
+    elif recent_window:
+        recent = {
+            la.index: min(recent_window, la.window or recent_window)
+            for pos, la in enumerate(layers)
+            if pos not in skipped
+        }
+    groups = build_groups({la.index: la.window for la in layers}, block_size, recent)
+    group_of = {ix: g.id for g in groups if not g.recent for ix in g.layers}
+    recent_group_of = {ix: g.id for g in groups if g.recent for ix in g.layers}
     kv_scales = kv_scales or {}
     specs = []
     for pos, la in enumerate(layers):
@@ -219,6 +238,8 @@ def resolve(
                 softcap=la.softcap,
                 group=group_of[la.index],
                 skipped_by=skipped.get(pos) if dtype != kv_cache_dtype else None,
+                recent=recent_spec(cache, recent[la.index]) if la.index in recent else None,
+                recent_group=recent_group_of.get(la.index),
             )
         )
     spec = ModelSpec(
@@ -231,6 +252,7 @@ def resolve(
             "kv_cache_dtype": kv_cache_dtype,
             "skip_layers": list(skip_layers),
             "boundary": boundary,
-        },
+        }
+        | ({"recent_window": recent_window} if recent_window else {}),
     )
     return Resolution(spec, tuple(warnings))

@@ -148,6 +148,21 @@ def cache_spec(window: int | None, **kw) -> KVCacheSpec:
     return SlidingWindowSpec(sliding_window=window, **kw)
 
 
+RECENT_PREFIX = "recent_"
+
+
+def recent_spec(cache: KVCacheSpec, window: int) -> SlidingWindowSpec:
+    """The full-precision (model dtype) sliding cache that holds a layer's recent window."""
+    return SlidingWindowSpec(
+        kv_cache_dtype="auto",
+        sliding_window=window,
+        num_kv_heads=cache.num_kv_heads,
+        head_size=cache.head_size,
+        block_size=cache.block_size,
+        model_dtype=cache.model_dtype,
+    )
+
+
 @dataclass(frozen=True)
 class LayerSpec:
     """Everything about one attention layer that a consumer may need."""
@@ -159,6 +174,28 @@ class LayerSpec:
     softcap: float | None = None
     group: int = 0
     skipped_by: str | None = None
+    #: full-precision cache of the last ``recent.window`` tokens (the recent window), or None
+    recent: KVCacheSpec | None = None
+    recent_group: int | None = None
+
+    @property
+    def recent_window(self) -> int:
+        """Tokens each query reads from the full-precision recent cache (0 = none)."""
+        return self.recent.window if self.recent is not None else 0
+
+    @property
+    def cache_tensors(self) -> list[tuple[str, TensorFormat, KVCacheSpec]]:
+        """(graph role, format, owning cache) of every cache tensor of this layer, in graph
+        order: the layer's own cache, then the recent cache's tensors as ``recent_<role>``."""
+        own = [(t.role, t, self.cache) for t in self.cache.tensors]
+        if self.recent is None:
+            return own
+        return own + [(RECENT_PREFIX + t.role, t, self.recent) for t in self.recent.tensors]
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes one block id costs in this layer, over all its cache tensors."""
+        return self.cache.page_size_bytes + (self.recent.page_size_bytes if self.recent else 0)
 
     @property
     def attention_type(self) -> AttentionType:
@@ -202,18 +239,30 @@ class LayerSpec:
             "page_size_bytes": c.page_size_bytes,
             "group": self.group,
             "skipped_by": self.skipped_by,
-            "tensors": [
-                {
-                    "role": t.role,
-                    "dtype": t.dtype,
-                    "shape": ["num_blocks", c.block_size, c.num_kv_heads]
-                    + ([] if t.width is None else [t.width]),
-                    "input": self.onnx_input(t.role),
-                    "output": self.onnx_output(t.role),
-                }
-                for t in c.tensors
-            ],
+            "tensors": [self._tensor_dict(role, t, owner) for role, t, owner in self.cache_tensors],
             "constants": c.constants,
+        } | ({} if self.recent is None else {"recent": self._recent_dict()})
+
+    def _tensor_dict(self, role: str, t: TensorFormat, owner: KVCacheSpec) -> dict[str, Any]:
+        blocks = "num_recent_blocks" if owner is self.recent else "num_blocks"
+        return {
+            "role": role,
+            "dtype": t.dtype,
+            "shape": [blocks, owner.block_size, owner.num_kv_heads]
+            + ([] if t.width is None else [t.width]),
+            "input": self.onnx_input(role),
+            "output": self.onnx_output(role),
+        }
+
+    def _recent_dict(self) -> dict[str, Any]:
+        r = self.recent
+        return {
+            "window": r.window,
+            "kv_cache_dtype": r.kv_cache_dtype,
+            "storage_dtype": r.storage_dtype,
+            "group": self.recent_group,
+            "bytes_per_token_head": r.bytes_per_token_head,
+            "page_size_bytes": r.page_size_bytes,
         }
 
     @classmethod
@@ -230,6 +279,7 @@ class LayerSpec:
                 k_scale=d["constants"].get("k_scale", 1.0),
                 v_scale=d["constants"].get("v_scale", 1.0),
             )
+            recent = d.get("recent")
             layer = cls(
                 index=d["index"],
                 module=d["module"],
@@ -238,6 +288,8 @@ class LayerSpec:
                 softcap=d["softcap"],
                 group=d["group"],
                 skipped_by=d.get("skipped_by"),
+                recent=None if recent is None else recent_spec(cache, recent["window"]),
+                recent_group=None if recent is None else recent["group"],
             )
         except KeyError as e:
             raise SpecError(f"{where}: missing field {e.args[0]!r}") from None
@@ -261,6 +313,8 @@ class CacheGroup:
     window: int | None
     block_size: int
     layers: tuple[int, ...]
+    #: the group holds these layers' recent-window caches, not their own caches
+    recent: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -268,20 +322,30 @@ class CacheGroup:
             "window": self.window,
             "block_size": self.block_size,
             "layers": list(self.layers),
-        }
+        } | ({"recent": True} if self.recent else {})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CacheGroup:
-        return cls(d["id"], d["window"], d["block_size"], tuple(d["layers"]))
+        return cls(
+            d["id"], d["window"], d["block_size"], tuple(d["layers"]), d.get("recent", False)
+        )
 
 
-def build_groups(windows: dict[int, int | None], block_size: int) -> tuple[CacheGroup, ...]:
-    """Group layer indices by window: full attention first, then windows ascending."""
+def build_groups(
+    windows: dict[int, int | None], block_size: int, recent: dict[int, int] | None = None
+) -> tuple[CacheGroup, ...]:
+    """Group layer indices by window: full attention first, then windows ascending; then one
+    group per recent-window size (``recent`` maps layer -> its recent window)."""
     keys = sorted(set(windows.values()), key=lambda w: (w is not None, w or 0))
-    return tuple(
+    groups = [
         CacheGroup(i, w, block_size, tuple(sorted(ix for ix, lw in windows.items() if lw == w)))
         for i, w in enumerate(keys)
-    )
+    ]
+    recent = recent or {}
+    for w in sorted(set(recent.values())):
+        layers = tuple(sorted(ix for ix, rw in recent.items() if rw == w))
+        groups.append(CacheGroup(len(groups), w, block_size, layers, recent=True))
+    return tuple(groups)
 
 
 @dataclass(frozen=True)
@@ -301,8 +365,19 @@ class ModelSpec:
         by_group = {g.id: g for g in self.groups}
         for layer in self.layers:
             g = by_group.get(layer.group)
-            if g is None or layer.index not in g.layers or g.window != layer.window:
+            if g is None or g.recent or layer.index not in g.layers or g.window != layer.window:
                 raise SpecError(f"layer {layer.index} is not in a cache group with its window")
+            if layer.recent is not None:
+                r = by_group.get(layer.recent_group)
+                if (
+                    r is None
+                    or not r.recent
+                    or layer.index not in r.layers
+                    or (r.window != layer.recent_window)
+                ):
+                    raise SpecError(
+                        f"layer {layer.index} is not in a recent-window group with its window"
+                    )
 
     def layer(self, index: int) -> LayerSpec:
         for layer in self.layers:
@@ -312,7 +387,29 @@ class ModelSpec:
 
     @property
     def bytes_per_token(self) -> int:
+        """KV bytes each cached token adds (recent-window caches, bounded per sequence, aside)."""
         return sum(layer.cache.bytes_per_token for layer in self.layers)
+
+    @property
+    def recent_window(self) -> int:
+        """The largest recent window of any layer (0 = none)."""
+        return max((la.recent_window for la in self.layers), default=0)
+
+    @property
+    def recent_bytes_per_token(self) -> int:
+        """Bytes per token of the recent-window caches (they hold at most their window)."""
+        return sum(la.recent.bytes_per_token for la in self.layers if la.recent is not None)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block id costs across every cache tensor of every layer."""
+        return sum(la.page_size_bytes for la in self.layers)
+
+    def group_block_bytes(self, group: CacheGroup) -> int:
+        """Bytes one block of ``group`` holds over its layers' caches."""
+        if group.recent:
+            return sum(self.layer(i).recent.page_size_bytes for i in group.layers)
+        return sum(self.layer(i).cache.page_size_bytes for i in group.layers)
 
     @property
     def bf16_bytes_per_token(self) -> int:
@@ -334,13 +431,13 @@ class ModelSpec:
             inputs.append(_io(f"block_tables_{g.id}", "int32", ["num_seqs", f"max_blocks_{g.id}"]))
         outputs = [_io("logits", "float32", ["L", vocab])]
         for layer in self.layers:
-            c = layer.cache
-            for t in c.tensors:
-                shape = ["num_blocks", c.block_size, c.num_kv_heads] + (
+            for role, t, c in layer.cache_tensors:
+                blocks = "num_recent_blocks" if c is layer.recent else "num_blocks"
+                shape = [blocks, c.block_size, c.num_kv_heads] + (
                     [] if t.width is None else [t.width]
                 )
-                inputs.append(_io(layer.onnx_input(t.role), t.dtype, shape))
-                outputs.append(_io(layer.onnx_output(t.role), t.dtype, shape))
+                inputs.append(_io(layer.onnx_input(role), t.dtype, shape))
+                outputs.append(_io(layer.onnx_output(role), t.dtype, shape))
         return {"inputs": inputs, "outputs": outputs}
 
     @cached_property

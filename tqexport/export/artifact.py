@@ -38,6 +38,7 @@ class BuildOptions:
     skip_layers: Sequence[str] = ()
     boundary: bool = True
     block_size: int = 16
+    recent_window: int = 0
     dtype: str | None = None
     opset: int = DEFAULT_OPSET
     force: bool = False
@@ -132,6 +133,7 @@ def check_options(model: str, options: BuildOptions):
         options.skip_layers,
         boundary=options.boundary,
         block_size=options.block_size,
+        recent_window=options.recent_window,
     )
 
 
@@ -143,7 +145,11 @@ def resolve_spec(
 ) -> tuple[ModelSpec, list[str]]:
     """The artifact's spec for a loaded model (kv scales calibrated when asked) and warnings."""
     fixed_scale = _parse_scales(options.kv_scales)
-    kw = dict(boundary=options.boundary, block_size=options.block_size)
+    kw = dict(
+        boundary=options.boundary,
+        block_size=options.block_size,
+        recent_window=options.recent_window,
+    )
     scales = None
     if fixed_scale is None:
         progress("calibrate")

@@ -41,7 +41,8 @@ class _PagedAttentionBody(torch.nn.Module):
     def forward(self, *inputs):
         n = len(self.codec.tensors)
         q, cache = inputs[0], list(inputs[1 : 1 + n])
-        block_tables, seq_lens, query_start_loc, positions = inputs[1 + n :]
+        block_tables, seq_lens, query_start_loc, positions = inputs[1 + n : 5 + n]
+        recent = list(inputs[5 + n :])  # recent K, recent V, recent block tables (or nothing)
         a = self.attrs
         return reference.paged_attention(
             self.codec,
@@ -54,6 +55,9 @@ class _PagedAttentionBody(torch.nn.Module):
             scale=a["scale"],
             softcap=a["softcap"] or None,
             window=a["window"] or None,
+            recent_cache=recent[:2] or None,
+            recent_block_tables=recent[2] if recent else None,
+            recent_window=a.get("recent_window", 0),
         )
 
 
@@ -100,6 +104,12 @@ def _export_body(op: str, attrs: dict, opset: int) -> onnx.ModelProto:
             {0: seqs + 1},
             {0: tokens},
         )
+        if attrs.get("recent_window"):
+            recent = [torch.zeros(4, attrs["block_size"], kvh, d, dtype=dt) for _ in range(2)]
+            args = (*args, *recent, torch.tensor([[1, 2, 0], [3, 0, 0]], dtype=torch.int32))
+            recent_blocks = torch.export.Dim("num_recent_blocks")
+            recent_tables = {0: seqs, 1: torch.export.Dim("max_recent_blocks")}
+            dyn = (*dyn, {0: recent_blocks}, {0: recent_blocks}, recent_tables)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(

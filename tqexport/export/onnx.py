@@ -32,14 +32,14 @@ def _example(spec: ModelSpec):
     other = [[4, 5, 0] for _ in spec.groups]
     chunks = [SeqChunk([1, 2, 3, 4], 0, tables, "all"), SeqChunk([5, 6, 7], 0, other, "none")]
     step = build_step(spec, chunks)
-    caches = allocate_caches(spec, 7)
+    caches = allocate_caches(spec, [6 if g.recent else 7 for g in spec.groups])
     return step, caches
 
 
 def _dynamic_shapes(spec: ModelSpec):
     dim = torch.export.Dim
     tokens, seqs, logits = dim("T"), dim("num_seqs"), dim("L")
-    blocks = dim("num_blocks")
+    blocks, recent_blocks = dim("num_blocks"), dim("num_recent_blocks")
     out = {
         "input_ids": {0: tokens},
         "positions": {0: tokens},
@@ -51,8 +51,8 @@ def _dynamic_shapes(spec: ModelSpec):
         out[f"slot_mapping_{g.id}"] = {0: tokens}
         out[f"block_tables_{g.id}"] = {0: seqs, 1: dim(f"max_blocks_{g.id}")}
     for layer in spec.layers:
-        for t in layer.cache.tensors:
-            out[layer.onnx_input(t.role)] = {0: blocks}
+        for role, _, owner in layer.cache_tensors:
+            out[layer.onnx_input(role)] = {0: recent_blocks if owner is layer.recent else blocks}
     return out
 
 

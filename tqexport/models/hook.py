@@ -121,24 +121,39 @@ def tqexport_attention(module, query, key, value, attention_mask, **kwargs):
     step = ctx.step
     slot_mapping = step.slot_mappings[layer.group]
     block_tables = step.block_tables[layer.group]
-    cache = ctx.caches[layer.index]
+    n_own = len(layer.cache.tensors)
+    cache, recent = ctx.caches[layer.index][:n_own], ctx.caches[layer.index][n_own:]
+    r = layer.recent
+    recent_slots = step.slot_mappings[layer.recent_group] if r else None
+    recent_tables = step.block_tables[layer.recent_group] if r else None
     c = layer.cache
     if ctx.observer is not None:
         ctx.observer(layer, k, v)
     if ctx.mode == "export":
-        out, new_cache = _emit_nodes(ctx, layer, q, k, v, cache, slot_mapping, block_tables)
+        out, new_cache = _emit_nodes(
+            ctx, layer, q, k, v, cache, slot_mapping, block_tables, recent, recent_slots,
+            recent_tables,
+        )  # fmt: skip
         ctx.new_caches[layer.index] = new_cache
     elif ctx.mode == "inplace":
         scales = (c.kv_cache_dtype, c.model_dtype, c.k_scale, c.v_scale)
         torch.ops.tqexport.cache_write(cache, k, v, slot_mapping, *scales)
+        if r:
+            torch.ops.tqexport.cache_write(
+                recent, k, v, recent_slots, "auto", r.model_dtype, 1.0, 1.0
+            )
         out = torch.ops.tqexport.paged_attention(
             q, cache, block_tables, step.seq_lens, step.query_start_loc, step.positions,
             *scales, layer.scale, layer.softcap or 0.0, layer.window or 0,
+            recent, recent_tables, layer.recent_window,
         )  # fmt: skip
     else:
         codec = codec_for(c.kv_cache_dtype, c.head_size, c.model_dtype, c.k_scale, c.v_scale)
         new_cache = reference.write_cache(codec, cache, k, v, slot_mapping)
-        ctx.new_caches[layer.index] = new_cache
+        if r:
+            plain = codec_for("auto", r.head_size, r.model_dtype, 1.0, 1.0)
+            recent = reference.write_cache(plain, recent, k, v, recent_slots)
+        ctx.new_caches[layer.index] = new_cache + recent
         out = reference.paged_attention(
             codec,
             q,
@@ -150,29 +165,44 @@ def tqexport_attention(module, query, key, value, attention_mask, **kwargs):
             scale=layer.scale,
             softcap=layer.softcap,
             window=layer.window,
+            recent_cache=recent or None,
+            recent_block_tables=recent_tables,
+            recent_window=layer.recent_window,
         )
     return out.unsqueeze(0), None
 
 
-def _emit_nodes(ctx, layer, q, k, v, cache, slot_mapping, block_tables):
+def _emit_nodes(
+    ctx, layer, q, k, v, cache, slot_mapping, block_tables, recent, recent_slots, recent_tables
+):
     """Export form: a CacheWrite node (cache in -> cache out) and a PagedAttention node that
-    reads the written cache, both in domain ``tqexport`` with the layer's spec as attributes."""
+    reads the written cache, both in domain ``tqexport`` with the layer's spec as attributes.
+    A layer with a recent window gets a second CacheWrite (into its recent cache), and its
+    PagedAttention also reads the written recent cache and the recent group's block table."""
     step = ctx.step
-    new_cache = torch.onnx.ops.symbolic_multi_out(
-        f"{DOMAIN}::{CACHE_WRITE}",
-        [*cache, k, v, slot_mapping],
-        node_attrs(CACHE_WRITE, layer, ctx.num_heads),
-        dtypes=[t.dtype for t in cache],
-        shapes=[t.shape for t in cache],
-    )
+
+    def write(tensors, slots, is_recent):
+        return list(
+            torch.onnx.ops.symbolic_multi_out(
+                f"{DOMAIN}::{CACHE_WRITE}",
+                [*tensors, k, v, slots],
+                node_attrs(CACHE_WRITE, layer, ctx.num_heads, recent=is_recent),
+                dtypes=[t.dtype for t in tensors],
+                shapes=[t.shape for t in tensors],
+            )
+        )
+
+    new_cache = write(cache, slot_mapping, False)
+    new_recent = write(recent, recent_slots, True) if recent else []
+    inputs = [q, *new_cache, block_tables, step.seq_lens, step.query_start_loc, step.positions]
     out = torch.onnx.ops.symbolic(
         f"{DOMAIN}::{PAGED_ATTENTION}",
-        [q, *new_cache, block_tables, step.seq_lens, step.query_start_loc, step.positions],
+        inputs + ([*new_recent, recent_tables] if recent else []),
         node_attrs(PAGED_ATTENTION, layer, ctx.num_heads),
         dtype=q.dtype,
         shape=q.shape,
     )
-    return out, list(new_cache)
+    return out, new_cache + new_recent
 
 
 transformers.AttentionInterface.register(ATTENTION_NAME, tqexport_attention)

@@ -30,7 +30,7 @@ class PagedCausalLM(torch.nn.Module):
             if hasattr(sub, "config") and hasattr(sub.config, "_attn_implementation"):
                 sub.config._attn_implementation = ATTENTION_NAME
         self.cache_layout = [
-            (la.index, len(la.cache.tensors)) for la in spec.layers
+            (la.index, len(la.cache_tensors)) for la in spec.layers
         ]  # per layer: how many cache tensors, in graph order
 
     def split_inputs(self, inputs):

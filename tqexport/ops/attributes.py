@@ -17,8 +17,9 @@ CACHE_WRITE = "CacheWrite"
 PAGED_ATTENTION = "PagedAttention"
 
 
-def cache_write_attrs(layer: LayerSpec) -> dict:
-    c = layer.cache
+def cache_write_attrs(layer: LayerSpec, recent: bool = False) -> dict:
+    """Static parameters of a layer's CacheWrite (``recent``: the write into its recent cache)."""
+    c = layer.recent if recent else layer.cache
     return {
         "kv_cache_dtype": c.kv_cache_dtype,
         "quant_mode": c.mode.name,
@@ -32,13 +33,15 @@ def cache_write_attrs(layer: LayerSpec) -> dict:
 
 
 def paged_attention_attrs(layer: LayerSpec, num_heads: int) -> dict:
+    """Static parameters of a layer's PagedAttention; ``recent_window`` only when it has one,
+    so layers without a recent window keep exactly their earlier attributes and variants."""
     return {
         **cache_write_attrs(layer),
         "num_heads": num_heads,
         "scale": float(layer.scale),
         "softcap": float(layer.softcap or 0.0),
         "window": int(layer.window or 0),
-    }
+    } | ({"recent_window": layer.recent_window} if layer.recent_window else {})
 
 
 def variant(op: str, attrs: dict) -> str:
@@ -47,10 +50,12 @@ def variant(op: str, attrs: dict) -> str:
     return f"{attrs['kv_cache_dtype']}_{digest}"
 
 
-def node_attrs(op: str, layer: LayerSpec, num_heads: int) -> dict:
+def node_attrs(op: str, layer: LayerSpec, num_heads: int, recent: bool = False) -> dict:
     """Everything a node carries: static params, variant, layer index, TensorRT namespace."""
     attrs = (
-        cache_write_attrs(layer) if op == CACHE_WRITE else paged_attention_attrs(layer, num_heads)
+        cache_write_attrs(layer, recent)
+        if op == CACHE_WRITE
+        else paged_attention_attrs(layer, num_heads)
     )
     return {
         **attrs,

@@ -61,10 +61,14 @@ def paged_attention(
     scale: float,
     softcap: float,
     window: int,
+    recent_cache: list[torch.Tensor],
+    recent_block_tables: torch.Tensor | None,
+    recent_window: int,
 ) -> torch.Tensor:
-    """``softcap`` 0 = none, ``window`` 0 = full attention."""
+    """``softcap`` 0 = none, ``window`` 0 = full attention; ``recent_window`` 0 = none (then
+    ``recent_cache`` is empty and ``recent_block_tables`` None)."""
     codec = codec_for(kv_cache_dtype, q.shape[-1], model_dtype, k_scale, v_scale)
-    if q.is_cuda:
+    if q.is_cuda and not recent_window:
         from tqexport.ops.triton import paged_attention as triton_attention
 
         if triton_attention.supports(codec):
@@ -83,6 +87,9 @@ def paged_attention(
         scale=scale,
         softcap=softcap or None,
         window=window or None,
+        recent_cache=recent_cache or None,
+        recent_block_tables=recent_block_tables,
+        recent_window=recent_window,
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tqexport.kvquant.codecs import Codec
+from tqexport.kvquant.codecs import MODEL_DTYPES, Codec, make_codec
 
 
 def write_cache(
@@ -50,6 +50,23 @@ def write_cache_(codec, cache, k, v, slot_mapping) -> None:
         tensor.copy_(new)
 
 
+def _gather(codec: Codec, cache, block_tables, seq_lens):
+    """Keys and values ``[S, C, KVH, D]`` of every sequence's blocks, their positions ``[C]``
+    and which are real cached keys ``[S, C]`` (below seq_len, not in the null block)."""
+    block_size = cache[0].shape[1]
+    tables = block_tables.to(torch.int64)
+    gathered = {
+        fmt.role: t[tables].flatten(1, 2) for fmt, t in zip(codec.tensors, cache, strict=True)
+    }
+    keys, values = codec.decode(gathered)  # float32
+    key_pos = torch.arange(tables.shape[1] * block_size, device=keys.device)
+    key_block = torch.repeat_interleave(tables, block_size, dim=1)  # [S, C]
+    valid = (key_pos.unsqueeze(0) < seq_lens.unsqueeze(1).to(torch.int64)) & (key_block != 0)
+    keys = torch.where(valid[..., None, None], keys, torch.zeros_like(keys))
+    values = torch.where(valid[..., None, None], values, torch.zeros_like(values))
+    return keys, values, key_pos, valid
+
+
 def paged_attention(
     codec: Codec,
     q: torch.Tensor,
@@ -62,58 +79,72 @@ def paged_attention(
     scale: float,
     softcap: float | None = None,
     window: int | None = None,
+    recent_cache: list[torch.Tensor] | None = None,
+    recent_block_tables: torch.Tensor | None = None,
+    recent_window: int = 0,
 ) -> torch.Tensor:
     """Attention of queries ``[T, heads, D]`` over the keys each may see, read from the cache.
 
     Every sequence's blocks are gathered and decoded; each query attends over the
     concatenation of all sequences' keys with a mask that admits only its own sequence, keys
-    at positions ``<= its position`` and, with a window W, ``> position - W``. Queries that see
-    nothing (padding) return zeros. Output is ``[T, heads, D]`` in q's dtype.
+    at positions ``<= its position`` and, with a window W, ``> position - W``. With a recent
+    window N (``recent_cache``: K and V in the model dtype, paged by ``recent_block_tables``),
+    keys at positions ``> position - N`` are read from the recent cache instead of the
+    quantized one. Queries that see nothing (padding) return zeros. Output is
+    ``[T, heads, D]`` in q's dtype.
     """
-    num_seqs, max_blocks = block_tables.shape
-    block_size = cache[0].shape[1]
-    ctx = max_blocks * block_size
-    tables = block_tables.to(torch.int64)
-    gathered = {
-        fmt.role: t[tables].flatten(1, 2) for fmt, t in zip(codec.tensors, cache, strict=True)
-    }
-    keys, values = codec.decode(gathered)  # [S, C, KVH, D] float32
-    kv_heads, head_size = keys.shape[-2], keys.shape[-1]
-
-    key_pos = torch.arange(ctx, device=q.device)
-    key_block = torch.repeat_interleave(tables, block_size, dim=1)  # [S, C]
-    valid = (key_pos.unsqueeze(0) < seq_lens.unsqueeze(1).to(torch.int64)) & (key_block != 0)
-    keys = torch.where(valid[..., None, None], keys, torch.zeros_like(keys))
-    values = torch.where(valid[..., None, None], values, torch.zeros_like(values))
-
     tokens = q.shape[0]
     token_idx = torch.arange(tokens, device=q.device)
     ends = query_start_loc[1:].to(torch.int64)
     starts = query_start_loc[:-1].to(torch.int64)
     in_seq = (token_idx.unsqueeze(1) >= starts) & (token_idx.unsqueeze(1) < ends)  # [T, S]
     qpos = positions.to(torch.int64).unsqueeze(1)  # [T, 1]
-    visible_pos = key_pos.unsqueeze(0) <= qpos  # [T, C]
-    if window is not None:
-        visible_pos = visible_pos & (key_pos.unsqueeze(0) > qpos - window)
-    # [T, S, C]: own sequence, causal, in window, and a real cached key
-    visible = in_seq.unsqueeze(2) & visible_pos.unsqueeze(1) & valid.unsqueeze(0)
-    visible = visible.flatten(1, 2)  # [T, S*C]
+
+    def visible(key_pos, valid, lo=None, hi=None):
+        """[T, S*C]: own sequence, causal, in window (and in [lo, hi]), a real cached key."""
+        pos = key_pos.unsqueeze(0)
+        seen = pos <= (qpos if hi is None else torch.minimum(qpos, hi))
+        if window is not None:
+            seen = seen & (pos > qpos - window)
+        if lo is not None:
+            seen = seen & (pos >= lo)
+        return (in_seq.unsqueeze(2) & seen.unsqueeze(1) & valid.unsqueeze(0)).flatten(1, 2)
+
+    keys, values, key_pos, valid = _gather(codec, cache, block_tables, seq_lens)
+    if recent_window:
+        plain = make_codec("auto", q.shape[-1], model_dtype=_dtype_name(recent_cache[0].dtype))
+        r_keys, r_values, r_pos, r_valid = _gather(
+            plain, recent_cache, recent_block_tables, seq_lens
+        )
+        first_recent = qpos - recent_window + 1
+        segments = [
+            (keys, values, visible(key_pos, valid, hi=first_recent - 1)),
+            (r_keys, r_values, visible(r_pos, r_valid, lo=first_recent)),
+        ]
+    else:
+        segments = [(keys, values, visible(key_pos, valid))]
+    kv_heads, head_size = keys.shape[-2], keys.shape[-1]
+    k_all = torch.cat([k.reshape(-1, kv_heads, head_size) for k, _, _ in segments])
+    v_all = torch.cat([v.reshape(-1, kv_heads, head_size) for _, v, _ in segments])
+    seen = torch.cat([m for _, _, m in segments], dim=1)  # [T, J]
 
     groups = q.shape[1] // kv_heads
     qg = q.float().reshape(tokens, kv_heads, groups, head_size).permute(1, 0, 2, 3)
     qg = qg.reshape(kv_heads, tokens * groups, head_size)  # [KVH, T*G, D]
-    k_all = keys.reshape(num_seqs * ctx, kv_heads, head_size).permute(1, 2, 0)  # [KVH, D, J]
-    v_all = values.reshape(num_seqs * ctx, kv_heads, head_size).permute(1, 0, 2)  # [KVH, J, D]
-    scores = torch.matmul(qg, k_all) * scale  # [KVH, T*G, J]
+    scores = torch.matmul(qg, k_all.permute(1, 2, 0)) * scale  # [KVH, T*G, J]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.reshape(kv_heads, tokens, groups, num_seqs * ctx)
-    mask = visible.unsqueeze(0).unsqueeze(2)  # [1, T, 1, J]
+    scores = scores.reshape(kv_heads, tokens, groups, -1)
+    mask = seen.unsqueeze(0).unsqueeze(2)  # [1, T, 1, J]
     scores = torch.where(mask, scores, torch.full_like(scores, float("-inf")))
-    any_visible = visible.any(dim=1)  # [T]
+    any_visible = seen.any(dim=1)  # [T]
     scores = torch.where(any_visible[None, :, None, None], scores, torch.zeros_like(scores))
     probs = torch.softmax(scores, dim=-1)
     probs = torch.where(mask, probs, torch.zeros_like(probs))
-    out = torch.matmul(probs.reshape(kv_heads, tokens * groups, -1), v_all)  # [KVH, T*G, D]
+    out = torch.matmul(probs.reshape(kv_heads, tokens * groups, -1), v_all.permute(1, 0, 2))
     out = out.reshape(kv_heads, tokens, groups, head_size).permute(1, 0, 2, 3)
     return out.reshape(tokens, kv_heads * groups, head_size).to(q.dtype)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, dt in MODEL_DTYPES.items() if dt == dtype)

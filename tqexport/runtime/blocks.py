@@ -54,9 +54,11 @@ class GroupAllocator:
 
 
 class BlockManager:
-    def __init__(self, groups: tuple[CacheGroup, ...], num_blocks: int):
-        self.groups = [GroupAllocator(g, num_blocks) for g in groups]
-        self.num_blocks = num_blocks
+    def __init__(self, groups: tuple[CacheGroup, ...], num_blocks: int | list[int]):
+        """``num_blocks``: per group (by id), or one count for every group."""
+        counts = [num_blocks] * len(groups) if isinstance(num_blocks, int) else num_blocks
+        self.groups = [GroupAllocator(g, n) for g, n in zip(groups, counts, strict=True)]
+        self.num_blocks = max(counts)
 
     def fits_ever(self, tokens: int) -> bool:
         """Whether a sequence of ``tokens`` can fit in an otherwise empty cache."""

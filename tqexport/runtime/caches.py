@@ -2,22 +2,43 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from tqexport.kvquant.codecs import torch_dtype
-from tqexport.spec import ModelSpec
+from tqexport.spec import CacheGroup, ModelSpec
 
 
-def allocate_caches(spec: ModelSpec, num_blocks: int) -> dict[str, torch.Tensor]:
+def per_group(spec: ModelSpec, num_blocks: int | Sequence[int]) -> list[int]:
+    """Blocks per cache group (by group id); one int gives every group that many."""
+    if isinstance(num_blocks, int):
+        return [num_blocks] * len(spec.groups)
+    if len(num_blocks) != len(spec.groups):
+        raise ValueError(f"need one block count per cache group ({len(spec.groups)})")
+    return list(num_blocks)
+
+
+def recent_group_blocks(group: CacheGroup, max_num_seqs: int, max_step_tokens: int) -> int:
+    """Blocks a recent-window group needs at most: each running sequence's window (plus a
+    partial block at each end), one step's worth of new tokens, and the null block."""
+    bs = group.block_size
+    return 1 + max_num_seqs * (-(-group.window // bs) + 2) + -(-max_step_tokens // bs)
+
+
+def allocate_caches(spec: ModelSpec, num_blocks: int | Sequence[int]) -> dict[str, torch.Tensor]:
     """Zeroed cache tensors keyed by graph input name (``cache.{layer}.{role}``).
 
-    Block 0 is the null block; zeros keep recycled-but-masked bytes finite.
+    A layer's own cache has its group's block count, its recent-window cache (if any) the
+    recent group's. Block 0 is the null block; zeros keep recycled-but-masked bytes finite.
     """
-    if num_blocks < 2:
+    blocks = per_group(spec, num_blocks)
+    if min(blocks) < 2:
         raise ValueError("need at least 2 blocks (block 0 is the reserved null block)")
     out = {}
     for layer in spec.layers:
-        shapes = layer.cache.tensor_shapes(num_blocks)
-        for t in layer.cache.tensors:
-            out[layer.onnx_input(t.role)] = torch.zeros(shapes[t.role], dtype=torch_dtype(t.dtype))
+        for role, t, owner in layer.cache_tensors:
+            group = layer.recent_group if owner is layer.recent else layer.group
+            shape = owner.tensor_shapes(blocks[group])[t.role]
+            out[layer.onnx_input(role)] = torch.zeros(shape, dtype=torch_dtype(t.dtype))
     return out

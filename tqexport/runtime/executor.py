@@ -11,6 +11,7 @@ import torch
 from tqexport.errors import TQExportError
 from tqexport.runtime.artifact import Artifact
 from tqexport.runtime.blocks import BlockManager
+from tqexport.runtime.caches import recent_group_blocks
 from tqexport.runtime.sampling import sample
 from tqexport.runtime.scheduler import Scheduler
 from tqexport.runtime.sequence import SamplingParams, Sequence
@@ -37,22 +38,44 @@ def parse_memory(text: str, option: str = "--kv-cache-memory") -> int:
 
 
 def block_bytes(artifact: Artifact) -> int:
-    """Bytes one block id costs across every layer's cache."""
-    return sum(layer.cache.page_size_bytes for layer in artifact.spec.layers)
+    """Bytes one block id costs across every layer's own cache (recent-window caches aside)."""
+    return sum(la.cache.page_size_bytes for la in artifact.spec.layers)
 
 
-def resolve_num_blocks(artifact: Artifact, num_blocks: int | None, memory: str | None) -> int:
+def resolve_num_blocks(
+    artifact: Artifact,
+    num_blocks: int | None,
+    memory: str | None,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 512,
+) -> list[int]:
+    """Blocks per cache group. The layers' own caches get ``num_blocks`` (or what the memory
+    budget leaves after the recent-window caches, which need only their window per sequence)."""
+    spec = artifact.spec
     if num_blocks is not None and memory is not None:
         raise TQExportError("give --num-blocks or --kv-cache-memory, not both")
+    recent = {
+        g.id: recent_group_blocks(g, max_num_seqs, max_num_batched_tokens)
+        for g in spec.groups
+        if g.recent
+    }
+    recent_bytes = sum(n * spec.group_block_bytes(spec.groups[g]) for g, n in recent.items())
     if num_blocks is None:
         budget = parse_memory(memory or "512MiB")
-        num_blocks = budget // block_bytes(artifact)
+        num_blocks = max(0, budget - recent_bytes) // block_bytes(artifact)
     if num_blocks < 2:
+        extra = (
+            f"; the recent-window caches of {max_num_seqs} sequences take {recent_bytes} bytes "
+            "first (lower --max-num-seqs)"
+            if recent
+            else ""
+        )
         raise TQExportError(
             f"the KV budget holds {num_blocks} blocks; at least 2 are needed (block 0 is the null "
-            f"block, one block is {block_bytes(artifact)} bytes)"
+            f"block, one block is {block_bytes(artifact)} bytes){extra}"
         )
-    return num_blocks
+    # a sequence never holds more recent-window blocks than blocks of its own cache
+    return [min(recent.get(g.id, num_blocks), num_blocks) for g in spec.groups]
 
 
 @dataclass
@@ -76,24 +99,25 @@ class Executor:
         """``source_model``: the torch backend's already loaded model (skips reloading it)."""
         self.artifact = artifact
         self.spec = artifact.spec
-        self.num_blocks = resolve_num_blocks(artifact, num_blocks, kv_cache_memory)
+        #: blocks per cache group; the layers' own caches have ``num_blocks``
+        self.group_num_blocks = resolve_num_blocks(
+            artifact, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens
+        )
+        self.num_blocks = max(self.group_num_blocks)
         if backend == "ort":
             from tqexport.runtime.backends.ort import OrtBackend
 
-            self.backend = OrtBackend(artifact, self.num_blocks, threads)
+            self.backend = OrtBackend(artifact, self.group_num_blocks, threads)
         elif backend == "torch":
             from tqexport.runtime.backends.torch import TorchBackend
 
-            self.backend = TorchBackend(artifact, self.num_blocks, source_model)
+            self.backend = TorchBackend(artifact, self.group_num_blocks, source_model)
         else:
             raise TQExportError(f"unknown backend {backend!r}; use ort or torch")
-        self.blocks = BlockManager(self.spec.groups, self.num_blocks)
+        self.blocks = BlockManager(self.spec.groups, self.group_num_blocks)
         self.scheduler = Scheduler(self.blocks, max_num_batched_tokens, max_num_seqs)
         self._next_id = 0
-        self.group_block_bytes = [
-            sum(self.spec.layer(i).cache.page_size_bytes for i in g.layers)
-            for g in self.spec.groups
-        ]
+        self.group_block_bytes = [self.spec.group_block_bytes(g) for g in self.spec.groups]
         self.peak_kv_bytes = 0
         self.steps = 0
 

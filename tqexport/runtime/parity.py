@@ -105,29 +105,35 @@ def _check_layers(spec: ModelSpec, step, caches, out, taps, step_no, max_code_fl
     for layer in spec.layers:
         c = layer.cache
         codec = codec_for(c.kv_cache_dtype, c.head_size, c.model_dtype, c.k_scale, c.v_scale)
-        cache_in = [caches[layer.onnx_input(t.role)] for t in c.tensors]
-        cache_out = [out[layer.onnx_output(t.role)] for t in c.tensors]
         k, v = out[taps[(layer.index, "k")]], out[taps[(layer.index, "v")]]
-        ref_cache = reference.write_cache(
-            codec, cache_in, k, v, step[f"slot_mapping_{layer.group}"]
-        )
-        written = int((step[f"slot_mapping_{layer.group}"] >= 0).sum())
         ok, worst, details = True, 0.0, []
-        for fmt, r, g in zip(c.tensors, ref_cache, cache_out, strict=True):
-            if r.dtype == torch.uint8:
-                differ = int((r != g).sum())
-                allowed = max_code_flips * written * r[0, 0].numel()
-                ok &= differ <= allowed
-                details.append(f"{fmt.role}: {differ} bytes differ")
-            else:
-                fine, diff = _close(r, g, max(tol, torch.finfo(r.dtype).eps))
-                ok &= fine
-                worst = max(worst, diff)
+        written_caches = {}
+        for group, owner, prefix in [(layer.group, c, "")] + (
+            [(layer.recent_group, layer.recent, "recent_")] if layer.recent else []
+        ):
+            own_codec = codec if owner is c else codec_for("auto", c.head_size, c.model_dtype, 1, 1)
+            roles = [prefix + t.role for t in owner.tensors]
+            cache_in = [caches[layer.onnx_input(r)] for r in roles]
+            cache_out = [out[layer.onnx_output(r)] for r in roles]
+            written_caches[prefix] = cache_out
+            slots = step[f"slot_mapping_{group}"]
+            ref_cache = reference.write_cache(own_codec, cache_in, k, v, slots)
+            written = int((slots >= 0).sum())
+            for role, r, g in zip(roles, ref_cache, cache_out, strict=True):
+                if r.dtype == torch.uint8:
+                    differ = int((r != g).sum())
+                    allowed = max_code_flips * written * r[0, 0].numel()
+                    ok &= differ <= allowed
+                    details.append(f"{role}: {differ} bytes differ")
+                else:
+                    fine, diff = _close(r, g, max(tol, torch.finfo(r.dtype).eps))
+                    ok &= fine
+                    worst = max(worst, diff)
         q = out[taps[(layer.index, "q")]]
         ref_attn = reference.paged_attention(
             codec,
             q,
-            cache_out,
+            written_caches[""],
             step[f"block_tables_{layer.group}"],
             step["seq_lens"],
             step["query_start_loc"],
@@ -135,6 +141,9 @@ def _check_layers(spec: ModelSpec, step, caches, out, taps, step_no, max_code_fl
             scale=layer.scale,
             softcap=layer.softcap,
             window=layer.window,
+            recent_cache=written_caches.get("recent_"),
+            recent_block_tables=step.get(f"block_tables_{layer.recent_group}"),
+            recent_window=layer.recent_window,
         )
         fine, diff = _close(ref_attn, out[taps[(layer.index, "out")]], tol)
         ok &= fine

@@ -25,7 +25,11 @@ class OrtBackend:
     name = "ort"
 
     def __init__(
-        self, artifact: Artifact, num_blocks: int, threads: int | None = None, in_place=True
+        self,
+        artifact: Artifact,
+        num_blocks: int | list[int],
+        threads: int | None = None,
+        in_place=True,
     ):
         if artifact.spec.dtype == "bfloat16" and providers() == ["CPUExecutionProvider"]:
             raise TQExportError(

@@ -30,7 +30,7 @@ def load_source_model(spec):
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, artifact: Artifact, num_blocks: int, source_model=None):
+    def __init__(self, artifact: Artifact, num_blocks: int | list[int], source_model=None):
         """``source_model``: an already loaded model (a LoadedModel) instead of reloading."""
         spec = artifact.spec
         lm = source_model or load_source_model(spec)
