@@ -513,6 +513,20 @@ def run(
     )
 
 
+@app.command()
+def engine(
+    artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
+    max_batch: Annotated[int, typer.Option(help="Most sequences per step.")] = 64,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Most tokens per step.")] = 512,
+    max_blocks: Annotated[int, typer.Option(help="Most cache blocks per layer.")] = 4096,
+):
+    """Build a TensorRT engine (engine.plan) into ARTIFACT: needs tensorrt>=10.9 and a GPU."""
+    from tqexport.export.trt import build_engine
+
+    out = build_engine(artifact, max_batch, max_num_batched_tokens, max_blocks)
+    console.print(f"wrote {out} ({_fmt_bytes(out.stat().st_size)})", highlight=False)
+
+
 def _ok(ok: bool) -> str:
     return "[green]yes[/green]" if ok else "[red]NO[/red]"
 

@@ -81,8 +81,12 @@ class Executor:
             from tqexport.runtime.backends.torch import TorchBackend
 
             self.backend = TorchBackend(artifact, self.num_blocks)
+        elif backend == "trt":
+            from tqexport.runtime.backends.trt import TrtBackend
+
+            self.backend = TrtBackend(artifact, self.num_blocks)
         else:
-            raise TQExportError(f"unknown backend {backend!r}; use ort or torch")
+            raise TQExportError(f"unknown backend {backend!r}; use ort, torch or trt")
         self.blocks = BlockManager(self.spec.groups, self.num_blocks)
         self.scheduler = Scheduler(self.blocks, max_num_batched_tokens, max_num_seqs)
         self._next_id = 0
