@@ -70,7 +70,11 @@ class TrtBackend:
                 continue
             t = step[name].cuda().contiguous()
             keep.append(t)
-            ctx.set_input_shape(name, tuple(t.shape))
+            if not ctx.set_input_shape(name, tuple(t.shape)):
+                raise TQExportError(
+                    f"step input {name} {tuple(t.shape)} is outside the engine's profile "
+                    f"{self.limits}; rebuild with larger limits or lower the executor's"
+                )
             ctx.set_tensor_address(name, t.data_ptr())
         shape = tuple(ctx.get_tensor_shape("logits"))
         logits = torch.empty(shape, dtype=torch_dtype_of(self.engine.get_tensor_dtype("logits")),
