@@ -310,3 +310,106 @@ def test_cuda_trt_order_kernels_match_reference(name):
     (got,) = emulate.launch(a, [q.cuda(), *[c.cuda() for c in ref_cache],
                                 *[s.cuda() for s in steps]])  # fmt: skip
     torch.testing.assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-3)
+
+
+class _FakePluginAPI:
+    """Records what ``trt_plugins.plugins`` hands to ``tensorrt.plugin`` (test double only:
+    it exercises our glue's argument binding, not TensorRT)."""
+
+    class TensorDesc:
+        def __init__(self, shape_expr=None):
+            self.shape_expr = shape_expr
+
+        def aliased(self):
+            return ("aliased", self)
+
+        def like(self):
+            return ("like", self)
+
+    class KernelLaunchParams:
+        pass
+
+    class SymIntExprs(tuple):
+        @classmethod
+        def from_tuple(cls, items):
+            return cls(items)
+
+        def __new__(cls, items=()):
+            return super().__new__(cls, () if isinstance(items, int) else items)
+
+    class SymInt32:
+        def __init__(self, e):
+            self.e = e
+
+    def __init__(self):
+        self.defs = {}
+
+    def _decorator(self, kind):
+        def make(op_id):
+            def keep(fn):
+                self.defs[(kind, op_id)] = fn
+                return fn
+
+            return keep
+
+        return make
+
+    def __getattr__(self, kind):
+        if kind in ("register", "aot_impl", "impl"):
+            return self._decorator(kind)
+        raise AttributeError(kind)
+
+
+@pytest.fixture
+def fake_trt(monkeypatch):
+    """``trt_plugins.plugins`` imported against :class:`_FakePluginAPI`, removed afterwards so
+    no later test (or engine build) sees the fake-bound module."""
+    import types
+
+    import trt_plugins
+
+    api = _FakePluginAPI()
+    pkg = types.ModuleType("tensorrt")
+    pkg.plugin = api
+    monkeypatch.setitem(sys.modules, "tensorrt", pkg)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", api)
+    saved = sys.modules.pop("trt_plugins.plugins", None)
+    try:
+        import trt_plugins.plugins as glue
+
+        monkeypatch.setattr(glue, "_gpu_arch", lambda: 90)
+        yield api
+    finally:
+        sys.modules.pop("trt_plugins.plugins", None)
+        vars(trt_plugins).pop("plugins", None)
+        if saved is not None:
+            sys.modules["trt_plugins.plugins"] = trt_plugins.plugins = saved
+
+
+def test_plugin_glue_binds_what_tensorrt_passes(fake_trt):
+    api = fake_trt
+    assert len(api.defs) == 12
+    a = attrs("turboquant_4bit_nc", kvh=2, heads=4)
+    names = list(contract.PAGED_ATTENTION_ATTRS)
+    reg = api.defs[("register", "tqexport::PagedAttentionSlot")]
+    aot = api.defs[("aot_impl", "tqexport::PagedAttentionSlot")]
+    impl = api.defs[("impl", "tqexport::PagedAttentionSlot")]
+    ins = ["q", "cache", "block_tables", "seq_lens", "query_start_loc", "positions"]
+    # the schemas tensorrt.plugin validates: inputs, attributes, then outputs and tactic/stream
+    assert list(inspect.signature(aot).parameters) == ins + names + ["outputs", "tactic"]
+    assert list(inspect.signature(impl).parameters) == ins + names + ["outputs", "stream"]
+    descs = [api.TensorDesc([Sym(f"{n}{j}") for j in range(3)]) for n in ins]
+    vals = [a[n] for n in names]
+    assert reg(*descs, **{n: a[n] for n in names}) == ("like", descs[0])  # TensorRT's call
+    name, ptx, launch, extra = aot(*descs, *vals, (api.TensorDesc(),), 0)  # TensorRT's call
+    assert name == "trt_paged_attention_tq_kernel" and ".entry " + name in ptx
+    assert (launch.grid_x.e, launch.grid_y, launch.grid_z) == ("q0", 2, 1)
+    assert launch.block_x == 128 and launch.shared_mem >= 0
+    assert [x.e.e for x in extra] == ["block_tables0", "block_tables1"]
+    reg = api.defs[("register", "tqexport::CacheWriteKV")]
+    descs = [api.TensorDesc() for _ in range(5)]
+    cw = attrs("fp8")
+    outs = reg(*descs, **{n: cw[n] for n in contract.CACHE_WRITE_ATTRS})
+    assert outs == (("aliased", descs[0]), ("aliased", descs[1]))
+    with pytest.raises(contract.UnsupportedLayerError, match="nvfp4"):
+        reg(*descs, **{n: attrs("nvfp4")[n] for n in contract.CACHE_WRITE_ATTRS})

@@ -1,7 +1,8 @@
 """Register the tqexport plugins with TensorRT's Python plugin API (needs ``tensorrt``).
 
-Thin glue only, and never executed on the development machines (no TensorRT there): every
-decision (plugin per op and cache arity, attributes, kernel, grid, int32 scalars, aliasing) is
+Thin glue only, never run against TensorRT on the development machines (none there; the tests
+drive it through a recording stand-in for ``tensorrt.plugin`` to check its argument binding):
+every decision (plugin per op and cache arity, attributes, kernel, grid, int32 scalars, aliasing) is
 made by :mod:`trt_plugins.contract` and :mod:`trt_plugins.ptx`, which are tested on CPU. Each
 plugin has ``register`` (symbolic output shapes; caches aliased to their inputs), ``aot_impl``
 (the Triton kernel's PTX: the engine runs without Python) and a JIT ``impl`` calling the torch
