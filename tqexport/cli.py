@@ -448,7 +448,9 @@ def run(
     top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,
     top_p: Annotated[float, typer.Option(help="1.0 = off.")] = 1.0,
     seed: Annotated[int, typer.Option(help="Request i samples with seed + i.")] = 0,
-    backend: Annotated[str, typer.Option(help="ort | torch")] = "ort",
+    backend: Annotated[
+        str, typer.Option(help="ort | torch | trt (needs `tqexport engine`)")
+    ] = "ort",
     num_blocks: MemoryOptions[0] = None,
     kv_cache_memory: MemoryOptions[1] = None,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget per step.")] = 512,
@@ -805,6 +807,20 @@ def bench_report(
         verdict = {True: "MET", False: "NOT MET", None: "NOT MEASURED"}[g["met"]]
         console.print(f"{g['goal']}: {verdict} ({g['detail']})", highlight=False)
     console.print("wrote " + ", ".join(str(f) for f in files), highlight=False)
+
+
+@app.command()
+def engine(
+    artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
+    max_batch: Annotated[int, typer.Option(help="Most sequences per step.")] = 64,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Most tokens per step.")] = 512,
+    max_blocks: Annotated[int, typer.Option(help="Most cache blocks per layer.")] = 4096,
+):
+    """Build a TensorRT engine (engine.plan) into ARTIFACT: needs tensorrt>=10.9 and a GPU."""
+    from tqexport.export.trt import build_engine
+
+    out = build_engine(artifact, max_batch, max_num_batched_tokens, max_blocks)
+    console.print(f"wrote {out} ({_fmt_bytes(out.stat().st_size)})", highlight=False)
 
 
 def _ok(ok: bool) -> str:

@@ -112,8 +112,12 @@ class Executor:
             from tqexport.runtime.backends.torch import TorchBackend
 
             self.backend = TorchBackend(artifact, self.group_num_blocks, source_model)
+        elif backend == "trt":
+            from tqexport.runtime.backends.trt import TrtBackend
+
+            self.backend = TrtBackend(artifact, self.group_num_blocks)
         else:
-            raise TQExportError(f"unknown backend {backend!r}; use ort or torch")
+            raise TQExportError(f"unknown backend {backend!r}; use ort, torch or trt")
         self.blocks = BlockManager(self.spec.groups, self.group_num_blocks)
         self.scheduler = Scheduler(self.blocks, max_num_batched_tokens, max_num_seqs)
         self._next_id = 0

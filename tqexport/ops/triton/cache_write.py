@@ -65,14 +65,43 @@ def _store_packed(ptr, codes, BITS: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def turboquant_write_kernel(
-    k_ptr, v_ptr, slot_ptr, cache_ptr, rot_ptr, th_ptr,
+def _hadamard_tile(rot_ptr, D: tl.constexpr, INLINE: tl.constexpr, INV_SQRT: tl.constexpr):
+    """The [D, D] normalized Sylvester Hadamard: loaded from ``rot_ptr``, or (INLINE) computed as
+    (-1)^popcount(i & j) * INV_SQRT, INV_SQRT being the fp32 table entry (so the same bits)."""
+    offs = tl.arange(0, D)
+    if INLINE:
+        ij = offs[:, None] & offs[None, :]
+        parity = tl.zeros([D, D], dtype=tl.int32)
+        for b in tl.static_range(16):
+            if (1 << b) < D:
+                parity = parity ^ ((ij >> b) & 1)
+        rot = tl.where(parity == 1, -INV_SQRT, INV_SQRT)
+    else:
+        rot = tl.load(rot_ptr + offs[:, None] * D + offs[None, :])
+    return rot
+
+
+@triton.jit
+def _mse_codes(y, th_ptr, KEY_BITS: tl.constexpr, INLINE: tl.constexpr, TH: tl.constexpr):
+    """Centroid index per coordinate: how many thresholds are <= y (from ``th_ptr`` or TH)."""
+    idx = tl.zeros(y.shape, dtype=tl.int32)
+    for j in tl.static_range(2**KEY_BITS - 1):
+        if INLINE:
+            idx += (y >= TH[j]).to(tl.int32)
+        else:
+            idx += (y >= tl.load(th_ptr + j)).to(tl.int32)
+    return idx
+
+
+@triton.jit
+def _turboquant_write(
+    pid, k_ptr, v_ptr, slot_ptr, cache_ptr, rot_ptr, th_ptr,
     H: tl.constexpr, D: tl.constexpr, SLOT: tl.constexpr,
     KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
     NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
-    ZERO_OFF: tl.constexpr,
+    ZERO_OFF: tl.constexpr, INLINE: tl.constexpr, INV_SQRT: tl.constexpr, TH: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
+    """Encode and pack one (token, kv head) into its slot: the body of both entry points."""
     t = pid // H
     h = pid % H
     offs = tl.arange(0, D)
@@ -86,11 +115,9 @@ def turboquant_write_kernel(
     else:
         norm = tl.sqrt(tl.sum(k * k, axis=0))
         x = k / (norm + 1e-8)
-        rot = tl.load(rot_ptr + offs[:, None] * D + offs[None, :])
+        rot = _hadamard_tile(rot_ptr, D, INLINE, INV_SQRT)
         y = tl.sum(x[:, None] * rot, axis=0)
-        idx = tl.zeros([D], dtype=tl.int32)
-        for j in tl.static_range(2**KEY_BITS - 1):
-            idx += (y >= tl.load(th_ptr + j)).to(tl.int32)
+        idx = _mse_codes(y, th_ptr, KEY_BITS, INLINE, TH)
         _store_packed(base, idx, KEY_BITS, D)
         _store_fp16_bytes(base + NORM_OFF, norm)
     levels: tl.constexpr = 2**VAL_BITS - 1
@@ -105,11 +132,39 @@ def turboquant_write_kernel(
 
 
 @triton.jit
-def fp8_write_kernel(
-    x_ptr, slot_ptr, cache_ptr, scale,
-    H: tl.constexpr, D: tl.constexpr, E5M2: tl.constexpr,
+def turboquant_write_kernel(
+    k_ptr, v_ptr, slot_ptr, cache_ptr, rot_ptr, th_ptr,
+    H: tl.constexpr, D: tl.constexpr, SLOT: tl.constexpr,
+    KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
+    NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
+    ZERO_OFF: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
+    _turboquant_write(
+        tl.program_id(0), k_ptr, v_ptr, slot_ptr, cache_ptr, rot_ptr, th_ptr, H, D, SLOT,
+        KEY_BITS, VAL_BITS, KEY_FP8, NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, False, 0.0, None,
+    )  # fmt: skip
+
+
+@triton.jit
+def trt_turboquant_write_kernel(
+    cache_in_ptr, k_ptr, v_ptr, slot_ptr, cache_ptr,
+    H: tl.constexpr, D: tl.constexpr, SLOT: tl.constexpr,
+    KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
+    NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
+    ZERO_OFF: tl.constexpr, INV_SQRT: tl.constexpr, TH: tl.constexpr,
+):  # fmt: skip
+    """TensorRT order (node inputs, then the output): tables in-kernel; the output aliases
+    ``cache_in_ptr``, which is only there to keep the argument positions."""
+    _turboquant_write(
+        tl.program_id(0), k_ptr, v_ptr, slot_ptr, cache_ptr, cache_in_ptr, cache_in_ptr, H, D,
+        SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, True,
+        INV_SQRT, TH,
+    )  # fmt: skip
+
+
+@triton.jit
+def _fp8_write_row(pid, x_ptr, slot_ptr, cache_ptr, scale, H: tl.constexpr, D: tl.constexpr,
+                   E5M2: tl.constexpr):  # fmt: skip
     offs = tl.arange(0, D)
     slot = tl.load(slot_ptr + pid // H)
     slot = tl.where(slot < 0, 0, slot)
@@ -122,13 +177,48 @@ def fp8_write_kernel(
 
 
 @triton.jit
-def copy_write_kernel(x_ptr, slot_ptr, cache_ptr, H: tl.constexpr, D: tl.constexpr):
-    pid = tl.program_id(0)
+def _copy_write_row(pid, x_ptr, slot_ptr, cache_ptr, H: tl.constexpr, D: tl.constexpr):
     offs = tl.arange(0, D)
     slot = tl.load(slot_ptr + pid // H)
     slot = tl.where(slot < 0, 0, slot)
     x = tl.load(x_ptr + pid * D + offs)
     tl.store(cache_ptr + (slot * H + pid % H) * D + offs, x.to(cache_ptr.dtype.element_ty))
+
+
+@triton.jit
+def fp8_write_kernel(
+    x_ptr, slot_ptr, cache_ptr, scale,
+    H: tl.constexpr, D: tl.constexpr, E5M2: tl.constexpr,
+):  # fmt: skip
+    _fp8_write_row(tl.program_id(0), x_ptr, slot_ptr, cache_ptr, scale, H, D, E5M2)
+
+
+@triton.jit
+def copy_write_kernel(x_ptr, slot_ptr, cache_ptr, H: tl.constexpr, D: tl.constexpr):
+    _copy_write_row(tl.program_id(0), x_ptr, slot_ptr, cache_ptr, H, D)
+
+
+@triton.jit
+def trt_fp8_write_kernel(
+    k_cache_in_ptr, v_cache_in_ptr, k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    H: tl.constexpr, D: tl.constexpr, E5M2: tl.constexpr,
+    K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
+):  # fmt: skip
+    """TensorRT order; K and V in one launch, the per-layer scales as constexprs."""
+    pid = tl.program_id(0)
+    _fp8_write_row(pid, k_ptr, slot_ptr, k_cache_ptr, K_SCALE, H, D, E5M2)
+    _fp8_write_row(pid, v_ptr, slot_ptr, v_cache_ptr, V_SCALE, H, D, E5M2)
+
+
+@triton.jit
+def trt_copy_write_kernel(
+    k_cache_in_ptr, v_cache_in_ptr, k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    H: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    """TensorRT order; K and V in one launch."""
+    pid = tl.program_id(0)
+    _copy_write_row(pid, k_ptr, slot_ptr, k_cache_ptr, H, D)
+    _copy_write_row(pid, v_ptr, slot_ptr, v_cache_ptr, H, D)
 
 
 # FMA contraction would round differently from the reference (and from the interpreter).
@@ -177,6 +267,48 @@ def kernel_variants(codec: Codec, heads: int):
     sig = {"x_ptr": "*fp32", "slot_ptr": "*i64", "cache_ptr": "*fp32"}
     consts = dict(H=heads, D=d)
     return [(copy_write_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)]
+
+
+TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def turboquant_inline_tables(codec: TurboQuantCodec) -> dict:
+    """INV_SQRT and TH: the fp32 Hadamard entry and thresholds as exact Python floats."""
+    d, p = codec.head_size, codec.preset
+    th = () if p.key_fp8 else tuple(tq.thresholds(tq.centroids(d, p.key_bits)).tolist())
+    return dict(INV_SQRT=float(tq.hadamard(d)[0, 0]), TH=th)
+
+
+def trt_kernel_variant(codec: Codec, heads: int, model_dtype: str):
+    """(kernel, signature, constexprs) of the TensorRT-order entry point for this codec."""
+    x = "*" + TRITON_TYPES[model_dtype]
+    d = codec.head_size
+    if isinstance(codec, TurboQuantCodec):
+        sig = {
+            "cache_in_ptr": "*u8",
+            "k_ptr": x,
+            "v_ptr": x,
+            "slot_ptr": "*i64",
+            "cache_ptr": "*u8",
+        }
+        consts = {**_turboquant_constants(codec, heads), **turboquant_inline_tables(codec)}
+        return trt_turboquant_write_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts
+    cache_t = "*u8" if isinstance(codec, Fp8PerTensorCodec) else x
+    sig = {"k_cache_in_ptr": cache_t, "v_cache_in_ptr": cache_t, "k_ptr": x, "v_ptr": x,
+           "slot_ptr": "*i64", "k_cache_ptr": cache_t, "v_cache_ptr": cache_t}  # fmt: skip
+    if isinstance(codec, Fp8PerTensorCodec):
+        consts = dict(H=heads, D=d, E5M2=codec.fmt is FP8_FORMATS["float8_e5m2"],
+                      K_SCALE=_fp32(codec.k_scale), V_SCALE=_fp32(codec.v_scale))  # fmt: skip
+        return trt_fp8_write_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts
+    if isinstance(codec, UnquantizedCodec):
+        consts = dict(H=heads, D=d)
+        return trt_copy_write_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts
+    raise ValueError(f"the Triton cache write does not cover {type(codec).__name__}")
+
+
+def _fp32(x: float) -> float:
+    """The fp32 value a runtime fp32 argument would carry, as a Python float (exact)."""
+    return float(torch.tensor(x, dtype=torch.float32))
 
 
 def write_cache_(codec: Codec, cache: list[torch.Tensor], k, v, slot_mapping) -> None:

@@ -19,7 +19,13 @@ import triton.language as tl
 
 from tqexport.kvquant.bits import FP8_FORMATS, fp8_decode
 from tqexport.kvquant.codecs import Codec, Fp8PerTensorCodec, TurboQuantCodec, UnquantizedCodec
-from tqexport.ops.triton.cache_write import turboquant_tables
+from tqexport.ops.triton.cache_write import (
+    TRITON_TYPES,
+    _fp32,
+    _hadamard_tile,
+    turboquant_inline_tables,
+    turboquant_tables,
+)
 
 MODE_PLAIN, MODE_FP8, MODE_TQ = 0, 1, 2
 
@@ -53,19 +59,57 @@ def _unpack(ptr, rows_off, mask, BITS: tl.constexpr, D: tl.constexpr, BS: tl.con
 
 
 @triton.jit
-def paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, pos_ptr,
-    rot_ptr, cent_ptr, fp8_ptr, partial_ptr,
+def _fp8_values(b, fp8_ptr, INLINE: tl.constexpr, E5M2: tl.constexpr):
+    """fp8 bytes -> fp32: through the 256-entry table, or (INLINE) by exact bit arithmetic."""
+    if INLINE:
+        u = b.to(tl.int32)
+        sign = (u >> 7) & 1
+        MB: tl.constexpr = 2 if E5M2 else 3
+        BIAS: tl.constexpr = 15 if E5M2 else 7
+        EMAX: tl.constexpr = 31 if E5M2 else 15
+        e = (u >> MB) & EMAX
+        m = u & ((1 << MB) - 1)
+        normal = ((sign << 31) | ((e + (127 - BIAS)) << 23) | (m << (23 - MB))).to(
+            tl.float32, bitcast=True
+        )
+        sub = m.to(tl.float32) * (2.0 ** (1 - BIAS - MB))
+        val = tl.where(e == 0, tl.where(sign == 1, -sub, sub), normal)
+        if E5M2:
+            special = (sign << 31) | (255 << 23) | (m << 21)  # inf (m = 0) or NaN
+            val = tl.where(e == EMAX, special.to(tl.float32, bitcast=True), val)
+        else:
+            val = tl.where((e == EMAX) & (m == 7), float("nan"), val)  # e4m3fn: S.1111.111
+    else:
+        val = tl.load(fp8_ptr + b.to(tl.int32))
+    return val
+
+
+@triton.jit
+def _centroid_values(codes, cent_ptr, KEY_BITS: tl.constexpr, INLINE: tl.constexpr,
+                     CENT: tl.constexpr):  # fmt: skip
+    """Centroid per code: gathered from ``cent_ptr``, or (INLINE) a select chain over CENT."""
+    if INLINE:
+        c = tl.zeros(codes.shape, tl.float32) + CENT[0]
+        for j in tl.static_range(1, 2**KEY_BITS):
+            c = tl.where(codes == j, CENT[j], c)
+    else:
+        c = tl.load(cent_ptr + codes)
+    return c
+
+
+@triton.jit
+def _attend(
+    t, kvh, split, q_ptr, k_ptr, v_ptr, block_tables_ptr, qsl_ptr, pos_ptr,
+    rot_ptr, cent_ptr, fp8_ptr,
     num_seqs, max_blocks, k_scale, v_scale, sm_scale, softcap, window,
     H: tl.constexpr, KVH: tl.constexpr, GROUPS: tl.constexpr, G: tl.constexpr,
     D: tl.constexpr, BS: tl.constexpr, MODE: tl.constexpr, NSPLIT: tl.constexpr,
     SLOT: tl.constexpr, KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
     NC: tl.constexpr, NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr,
     SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr,
+    INLINE: tl.constexpr, E5M2: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    """One (token, kv head, split): online-softmax (acc [G, D], max [G], sum [G]) over its pages."""
     # which sequence this token belongs to: how many sequences end at or before it
     seq = 0
     for i in range(0, num_seqs):
@@ -89,7 +133,7 @@ def paged_attention_kernel(
     q = q.to(tl.float32)
     if MODE == 2:
         if not KEY_FP8:
-            rot = tl.load(rot_ptr + d[:, None] * D + d[None, :])
+            rot = _hadamard_tile(rot_ptr, D, INLINE, INV_SQRT)
             q = tl.sum(q[:, :, None] * rot[None, :, :], axis=1)  # rotated query
 
     m = tl.full([G], float("-inf"), tl.float32)
@@ -105,11 +149,11 @@ def paged_attention_kernel(
             slot_off = (rows * KVH + kvh) * SLOT
             if KEY_FP8:
                 kb = tl.load(k_ptr + slot_off[:, None] + d[None, :], mask=kmask[:, None], other=0)
-                keys = tl.load(fp8_ptr + kb.to(tl.int32))
+                keys = _fp8_values(kb, fp8_ptr, INLINE, False)
                 s = tl.sum(q[:, None, :] * keys[None, :, :], axis=2)
             else:
                 codes = _unpack(k_ptr, slot_off, kmask, KEY_BITS, D, BS)
-                c = tl.load(cent_ptr + codes)
+                c = _centroid_values(codes, cent_ptr, KEY_BITS, INLINE, CENT)
                 if NC:
                     c = c / tl.sqrt(tl.sum(c * c, axis=1) + 1e-16)[:, None]
                 norm = _fp16_at(k_ptr + slot_off + NORM_OFF, kmask)
@@ -123,8 +167,8 @@ def paged_attention_kernel(
             kraw = tl.load(k_ptr + off, mask=kmask[:, None], other=0)
             vraw = tl.load(v_ptr + off, mask=kmask[:, None], other=0)
             if MODE == 1:
-                keys = tl.load(fp8_ptr + kraw.to(tl.int32)) * k_scale
-                vals = tl.load(fp8_ptr + vraw.to(tl.int32)) * v_scale
+                keys = _fp8_values(kraw, fp8_ptr, INLINE, E5M2) * k_scale
+                vals = _fp8_values(vraw, fp8_ptr, INLINE, E5M2) * v_scale
             else:
                 keys = kraw.to(tl.float32)
                 vals = vraw.to(tl.float32)
@@ -142,10 +186,107 @@ def paged_attention_kernel(
         l_sum = l_sum * alpha + tl.sum(pr, axis=1)
         acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * vals[None, :, :], axis=1)
         m = m_new
+    return acc, m, l_sum
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, pos_ptr,
+    rot_ptr, cent_ptr, fp8_ptr, partial_ptr,
+    num_seqs, max_blocks, k_scale, v_scale, sm_scale, softcap, window,
+    H: tl.constexpr, KVH: tl.constexpr, GROUPS: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, BS: tl.constexpr, MODE: tl.constexpr, NSPLIT: tl.constexpr,
+    SLOT: tl.constexpr, KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
+    NC: tl.constexpr, NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr,
+    SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    split = tl.program_id(2)
+    acc, m, l_sum = _attend(
+        t, tl.program_id(1), split, q_ptr, k_ptr, v_ptr, block_tables_ptr, qsl_ptr, pos_ptr,
+        rot_ptr, cent_ptr, fp8_ptr, num_seqs, max_blocks, k_scale, v_scale, sm_scale, softcap,
+        window, H, KVH, GROUPS, G, D, BS, MODE, NSPLIT, SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NC,
+        NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, False, False, 0.0, None,
+    )  # fmt: skip
+    gi = tl.arange(0, G)
+    d = tl.arange(0, D)
+    gmask = gi < GROUPS
+    heads = tl.program_id(1) * GROUPS + gi
     base = ((t * H + heads) * NSPLIT + split) * (D + 2)
     tl.store(partial_ptr + base[:, None] + d[None, :], acc, mask=gmask[:, None])
     tl.store(partial_ptr + base + D, m, mask=gmask)
     tl.store(partial_ptr + base + D + 1, l_sum, mask=gmask)
+
+
+@triton.jit
+def _attend_to_output(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, qsl_ptr, pos_ptr, num_seqs, max_blocks, out_ptr,
+    H: tl.constexpr, KVH: tl.constexpr, GROUPS: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, BS: tl.constexpr, MODE: tl.constexpr,
+    SLOT: tl.constexpr, KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
+    NC: tl.constexpr, NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr,
+    SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr, E5M2: tl.constexpr,
+    K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
+):  # fmt: skip
+    """One split, tables in-kernel, acc / sum written to ``out`` in its dtype (no merge pass)."""
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    acc, m, l_sum = _attend(
+        t, kvh, 0, q_ptr, k_ptr, v_ptr, block_tables_ptr, qsl_ptr, pos_ptr,
+        q_ptr, q_ptr, q_ptr, num_seqs, max_blocks, K_SCALE, V_SCALE, SM_SCALE, SOFTCAP,
+        WINDOW, H, KVH, GROUPS, G, D, BS, MODE, 1, SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NC,
+        NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, True, E5M2, INV_SQRT, CENT,
+    )  # fmt: skip
+    gi = tl.arange(0, G)
+    d = tl.arange(0, D)
+    gmask = gi < GROUPS
+    heads = kvh * GROUPS + gi
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    dst = out_ptr + (t * H + heads)[:, None] * D + d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+
+
+@triton.jit
+def trt_paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, pos_ptr,
+    num_seqs, max_blocks, out_ptr,
+    H: tl.constexpr, KVH: tl.constexpr, GROUPS: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, BS: tl.constexpr, MODE: tl.constexpr,
+    SLOT: tl.constexpr, KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
+    NC: tl.constexpr, NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr,
+    SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr, E5M2: tl.constexpr,
+    K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
+):  # fmt: skip
+    """TensorRT order for separate K and V caches (fp8 bytes or the model dtype)."""
+    _attend_to_output(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, qsl_ptr, pos_ptr, num_seqs,
+        max_blocks, out_ptr, H, KVH, GROUPS, G, D, BS, MODE, SLOT, KEY_BITS, VAL_BITS, KEY_FP8,
+        NC, NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, E5M2, K_SCALE, V_SCALE, SM_SCALE, SOFTCAP,
+        WINDOW, INV_SQRT, CENT,
+    )  # fmt: skip
+
+
+@triton.jit
+def trt_paged_attention_tq_kernel(
+    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, pos_ptr,
+    num_seqs, max_blocks, out_ptr,
+    H: tl.constexpr, KVH: tl.constexpr, GROUPS: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, BS: tl.constexpr, MODE: tl.constexpr,
+    SLOT: tl.constexpr, KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
+    NC: tl.constexpr, NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr,
+    SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr, E5M2: tl.constexpr,
+    K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
+):  # fmt: skip
+    """TensorRT order for a TurboQuant layer: K and V packed in ONE slot tensor."""
+    _attend_to_output(
+        q_ptr, cache_ptr, cache_ptr, block_tables_ptr, qsl_ptr, pos_ptr, num_seqs, max_blocks,
+        out_ptr, H, KVH, GROUPS, G, D, BS, MODE, SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NC, NORM_OFF,
+        VAL_OFF, SCALE_OFF, ZERO_OFF, E5M2, K_SCALE, V_SCALE, SM_SCALE, SOFTCAP, WINDOW,
+        INV_SQRT, CENT,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -256,3 +397,39 @@ def paged_attention(
     out = torch.empty(tokens, heads, d, dtype=torch.float32, device=dev)
     merge_kernel[(tokens * heads,)](partial, out, D=d, NSPLIT=splits)
     return out.to(q.dtype)
+
+
+def trt_kernel_variant(
+    codec: Codec, heads: int, kv_heads: int, block_size: int, model_dtype: str,
+    *, scale: float, softcap: float, window: int,
+):  # fmt: skip
+    """(kernel, signature, constexprs) of the TensorRT-order entry point for one layer."""
+    x = "*" + TRITON_TYPES[model_dtype]
+    groups = heads // kv_heads
+    layout = _layout_constants(codec)
+    consts = dict(H=heads, KVH=kv_heads, GROUPS=groups, G=triton.next_power_of_2(groups),
+                  D=codec.head_size, BS=block_size, **layout, E5M2=False, K_SCALE=1.0,
+                  V_SCALE=1.0, SM_SCALE=_fp32(scale), SOFTCAP=_fp32(softcap or 0.0),
+                  WINDOW=int(window or 0), INV_SQRT=0.0, CENT=None)  # fmt: skip
+    steps = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
+             "pos_ptr": "*i64", "num_seqs": "i32", "max_blocks": "i32", "out_ptr": x}  # fmt: skip
+    if isinstance(codec, TurboQuantCodec):
+        inline = turboquant_inline_tables(codec)
+        cents = () if codec.preset.key_fp8 else tq_centroids(codec)
+        consts.update(INV_SQRT=inline["INV_SQRT"], CENT=cents)
+        sig = {"q_ptr": x, "cache_ptr": "*u8", **steps}
+        kernel = trt_paged_attention_tq_kernel
+    else:
+        cache_t = x if isinstance(codec, UnquantizedCodec) else "*u8"
+        if isinstance(codec, Fp8PerTensorCodec):
+            consts.update(E5M2=codec.fmt is FP8_FORMATS["float8_e5m2"],
+                          K_SCALE=_fp32(codec.k_scale), V_SCALE=_fp32(codec.v_scale))  # fmt: skip
+        sig = {"q_ptr": x, "k_cache_ptr": cache_t, "v_cache_ptr": cache_t, **steps}
+        kernel = trt_paged_attention_kernel
+    return kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts
+
+
+def tq_centroids(codec: TurboQuantCodec) -> tuple[float, ...]:
+    """The layer's fp32 centroid table as exact Python floats (constexpr for in-kernel lookup)."""
+    _, cents, _ = turboquant_tables(codec.head_size, codec.preset.key_bits, "cpu")
+    return tuple(cents.tolist())

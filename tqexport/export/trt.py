@@ -1,0 +1,152 @@
+"""Build a TensorRT engine (``engine.plan``) from an artifact, the tqexport nodes as plugins.
+
+The ONNX graph is parsed with each ``tqexport`` node renamed to its plugin (one per op and cache
+arity, see :mod:`trt_plugins.contract`), a strongly typed network preferring the AOT plugin
+implementations, and one optimization profile from the serving limits. ``tensorrt`` is imported
+lazily: without it (or without a GPU) the build stops with a one-line error saying what to do.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+
+from tqexport.errors import TQExportError
+from tqexport.ops.attributes import DOMAIN, cache_write_attrs
+from tqexport.runtime.artifact import open_artifact
+from tqexport.spec import ModelSpec
+
+ENGINE_FILE = "engine.plan"
+PROFILE_FILE = "engine.json"
+INSTALL_HINT = (
+    "TensorRT is not installed: on a machine with an NVIDIA GPU run "
+    "`pip install 'tensorrt>=10.9'` (CUDA 12), then rerun"
+)
+
+
+def require_tensorrt():
+    """The ``tensorrt`` module, or a one-line :class:`TQExportError` naming the install."""
+    try:
+        import tensorrt
+    except ImportError:
+        raise TQExportError(INSTALL_HINT) from None
+    return tensorrt
+
+
+def require_gpu() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise TQExportError(
+            "building or running a TensorRT engine needs an NVIDIA GPU, and torch sees none "
+            "(install a CUDA build of torch on a GPU machine)"
+        )
+
+
+def check_layers(spec: ModelSpec) -> None:
+    """Refuse (one line) a spec with a layer no TensorRT plugin covers."""
+    from trt_plugins.contract import codec_of
+
+    for layer in spec.layers:
+        codec_of({**cache_write_attrs(layer), "layer": layer.index})
+        if layer.recent_window:
+            raise TQExportError(
+                f"layer {layer.index}: the TensorRT plugins do not read a recent window yet; "
+                "rebuild the artifact without --kv-recent-window for TensorRT"
+            )
+
+
+def node_attributes(node: onnx.NodeProto) -> dict:
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    return {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+
+
+def use_plugins(model: onnx.ModelProto) -> dict[str, int]:
+    """Rename every tqexport node to its plugin (in place); returns nodes per plugin name.
+
+    The renamed op has no model-local function, so TensorRT can only resolve it to the plugin.
+    """
+    from trt_plugins.contract import num_cache_tensors, plugin_name
+
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.domain != DOMAIN:
+            continue
+        name = plugin_name(node.op_type, num_cache_tensors(node_attributes(node)))
+        node.op_type = name
+        node.overload = ""
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def profile_shapes(
+    spec: ModelSpec, max_batch: int, max_tokens: int, max_blocks: int
+) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """(min, opt, max) shape of every graph input: opt is a full decode batch.
+
+    ``max_blocks`` bounds the cache pool (dim 0 of every cache) and so each block table's width.
+    """
+    if max_batch < 1 or max_tokens < max_batch or max_blocks < 2:
+        raise TQExportError(
+            "need --max-batch >= 1, --max-num-batched-tokens >= --max-batch and --max-blocks >= 2 "
+            f"(got {max_batch}, {max_tokens}, {max_blocks})"
+        )
+    dims = {
+        "T": (1, max_batch, max_tokens),
+        "num_seqs": (1, max_batch, max_batch),
+        "num_seqs_plus_1": (2, max_batch + 1, max_batch + 1),
+        "L": (0, max_batch, max_tokens),
+        "num_blocks": (2, max_blocks, max_blocks),
+    }
+    for g in spec.groups:
+        dims[f"max_blocks_{g.id}"] = (1, max_blocks - 1, max_blocks - 1)
+    out = {}
+    for x in spec.graph_io()["inputs"]:
+        sizes = [dims[d] if isinstance(d, str) else (d, d, d) for d in x["shape"]]
+        out[x["name"]] = tuple(tuple(s[i] for s in sizes) for i in range(3))
+    return out
+
+
+def build_engine(artifact_dir: str | Path, max_batch: int, max_tokens: int, max_blocks: int,
+                 workspace_gib: float = 4.0) -> Path:  # fmt: skip
+    """Write ``engine.plan`` (and its profile limits, ``engine.json``) into the artifact."""
+    art = open_artifact(artifact_dir)
+    check_layers(art.spec)
+    shapes = profile_shapes(art.spec, max_batch, max_tokens, max_blocks)
+    trt = require_tensorrt()
+    require_gpu()
+    import trt_plugins.plugins  # noqa: F401  (registers the plugins)
+
+    model = onnx.load(str(art.model_file), load_external_data=False)
+    use_plugins(model)
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    flags |= 1 << int(trt.NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if hasattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE"):
+        parser.set_flag(trt.OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE)
+    # the path lets the parser find the external weights file next to model.onnx
+    if not parser.parse(model.SerializeToString(), str(art.model_file)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise TQExportError(f"TensorRT could not parse {art.model_file}: {errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * 2**30))
+    if hasattr(trt.PreviewFeature, "ALIASED_PLUGIN_IO_10_03"):
+        config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
+    profile = builder.create_optimization_profile()
+    for name, (lo, opt, hi) in shapes.items():
+        profile.set_shape(name, lo, opt, hi)
+    config.add_optimization_profile(profile)
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise TQExportError("TensorRT failed to build the engine (see its log above)")
+    out = art.path / ENGINE_FILE
+    out.write_bytes(bytes(plan))
+    limits = {"max_batch": max_batch, "max_num_batched_tokens": max_tokens,
+              "max_blocks": max_blocks, "tensorrt": trt.__version__}  # fmt: skip
+    (art.path / PROFILE_FILE).write_text(json.dumps(limits, indent=2))
+    return out

@@ -1,0 +1,172 @@
+"""What each TensorRT plugin launches, derived from its ONNX node's attributes alone.
+
+A node's attributes (``tqexport.ops.attributes``) give the layer's codec; from it come the
+TensorRT-order Triton entry point (arguments: the node's inputs, then int32 scalars, then the
+outputs), its constexprs, the grid and the scalar values as functions of the input shapes.
+Shape arithmetic uses only ``*``, ``[]`` and constants, so the same functions serve plain ints
+(tests, emulation) and TensorRT's symbolic shape expressions (the AOT launch).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from tqexport.errors import TQExportError
+from tqexport.kvquant.codecs import Codec
+from tqexport.ops.attributes import CACHE_WRITE, DOMAIN, PAGED_ATTENTION
+from tqexport.ops.library import codec_for
+from tqexport.ops.triton import cache_write as triton_write
+from tqexport.ops.triton import paged_attention as triton_attention
+
+NAMESPACE = DOMAIN
+#: Attributes every plugin declares, with the Python type TensorRT hands them over as
+#: (``plugin_namespace`` only routes the node and is not declared).
+CACHE_WRITE_ATTRS: dict[str, type] = {
+    "kv_cache_dtype": str, "quant_mode": str, "model_dtype": str, "num_kv_heads": int,
+    "head_size": int, "block_size": int, "k_scale": float, "v_scale": float,
+    "variant": str, "layer": int,
+}  # fmt: skip
+PAGED_ATTENTION_ATTRS: dict[str, type] = {
+    **{k: v for k, v in CACHE_WRITE_ATTRS.items() if k not in ("variant", "layer")},
+    "num_heads": int, "scale": float, "softcap": float, "window": int,
+    "variant": str, "layer": int,
+}  # fmt: skip
+ATTRS = {CACHE_WRITE: CACHE_WRITE_ATTRS, PAGED_ATTENTION: PAGED_ATTENTION_ATTRS}
+
+# A QDP plugin has a fixed number of inputs and outputs, so each op has one plugin per cache
+# arity: "Slot" (TurboQuant: K and V packed in ONE uint8 tensor) and "KV" (two tensors).
+_INPUTS = {
+    ("CacheWrite", 1): ("cache", "k", "v", "slot_mapping"),
+    ("CacheWrite", 2): ("k_cache", "v_cache", "k", "v", "slot_mapping"),
+    ("PagedAttention", 1): ("q", "cache", "block_tables", "seq_lens", "query_start_loc",
+                            "positions"),
+    ("PagedAttention", 2): ("q", "k_cache", "v_cache", "block_tables", "seq_lens",
+                            "query_start_loc", "positions"),
+}  # fmt: skip
+_OUTPUTS = {
+    ("CacheWrite", 1): ("cache_out",),
+    ("CacheWrite", 2): ("k_cache_out", "v_cache_out"),
+    ("PagedAttention", 1): ("out",),
+    ("PagedAttention", 2): ("out",),
+}
+_SUFFIX = {1: "Slot", 2: "KV"}
+PLUGINS = {f"{op}{_SUFFIX[n]}": (op, n) for op, n in _INPUTS}
+
+
+class UnsupportedLayerError(TQExportError):
+    """A layer's kv-cache dtype has no Triton kernel, hence no TensorRT plugin."""
+
+
+def plugin_name(op: str, num_cache_tensors: int) -> str:
+    """Registered plugin name (without namespace) for an op and its cache arity."""
+    return f"{op}{_SUFFIX[num_cache_tensors]}"
+
+
+def inputs_of(plugin: str) -> tuple[str, ...]:
+    return _INPUTS[PLUGINS[plugin]]
+
+
+def outputs_of(plugin: str) -> tuple[str, ...]:
+    return _OUTPUTS[PLUGINS[plugin]]
+
+
+def attrs_of(plugin: str) -> dict[str, type]:
+    return ATTRS[PLUGINS[plugin][0]]
+
+
+def codec_of(attrs: dict) -> Codec:
+    """The layer's codec from its node attributes; refused clearly where no kernel exists."""
+    kv = attrs["kv_cache_dtype"]
+    codec = codec_for(kv, int(attrs["head_size"]), attrs["model_dtype"],
+                      float(attrs["k_scale"]), float(attrs["v_scale"]))  # fmt: skip
+    if not (triton_write.supports(codec) and triton_attention.supports(codec)):
+        raise UnsupportedLayerError(
+            f"layer {attrs.get('layer', '?')}: kv-cache dtype {kv} ({attrs['quant_mode']}, head "
+            f"size {attrs['head_size']}) has no Triton kernel, so no TensorRT plugin; TensorRT "
+            "covers auto, fp8, fp8_e5m2 and turboquant_* at power-of-two head sizes"
+        )
+    return codec
+
+
+def num_cache_tensors(attrs: dict) -> int:
+    return len(codec_of(attrs).tensors)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One node's kernel: entry point, signature, constexprs and the shape-derived launch."""
+
+    plugin: str
+    kernel: Callable
+    signature: dict[str, str]
+    constexprs: dict
+    inputs: tuple[str, ...]
+    scalars: tuple[str, ...]
+    outputs: tuple[str, ...]
+    options: dict = field(default_factory=dict)
+
+    @property
+    def arg_names(self) -> tuple[str, ...]:
+        """Kernel parameters that are not constexpr, in order (the PTX ``.entry`` list)."""
+        return tuple(n for n, t in self.signature.items() if t != "constexpr")
+
+    @property
+    def aliases(self) -> dict[int, int]:
+        """Output index -> input index it aliases (caches are updated in place)."""
+        return {i: i for i in range(len(self.outputs))} if self.plugin.startswith("Cache") else {}
+
+    def grid(self, shapes: Sequence[Sequence]) -> tuple:
+        """Programs (x, y, z) from the input shapes: (T*KVH) for a write, (T, KVH, 1) to attend."""
+        c = self.constexprs
+        tokens = shapes[self.inputs.index("q" if "q" in self.inputs else "k")][0]
+        if self.plugin.startswith("Cache"):
+            return (tokens * c["H"], 1, 1)
+        return (tokens, c["KVH"], 1)
+
+    def scalar_values(self, shapes: Sequence[Sequence]) -> tuple:
+        """The int32 scalars: ``num_seqs`` and ``max_blocks`` are the block table's dims."""
+        table = shapes[self.inputs.index("block_tables")] if self.scalars else None
+        return tuple(table[("num_seqs", "max_blocks").index(n)] for n in self.scalars)
+
+
+def launch_plan(plugin: str, attrs: dict) -> LaunchPlan:
+    """The launch plan of ``plugin`` for a node with these attributes."""
+    op, arity = PLUGINS[plugin]
+    codec = codec_of(attrs)
+    if len(codec.tensors) != arity:
+        raise TQExportError(
+            f"{plugin} takes {arity} cache tensor(s) but {attrs['kv_cache_dtype']} has "
+            f"{len(codec.tensors)}; use {plugin_name(op, len(codec.tensors))}"
+        )
+    heads, dtype = int(attrs["num_kv_heads"]), attrs["model_dtype"]
+    if op == CACHE_WRITE:
+        fn, sig, consts = triton_write.trt_kernel_variant(codec, heads, dtype)
+        scalars, options = (), dict(triton_write.LAUNCH)
+    else:
+        fn, sig, consts = triton_attention.trt_kernel_variant(
+            codec, int(attrs["num_heads"]), heads, int(attrs["block_size"]), dtype,
+            scale=float(attrs["scale"]), softcap=float(attrs["softcap"]),
+            window=int(attrs["window"]),
+        )  # fmt: skip
+        scalars, options = ("num_seqs", "max_blocks"), {}
+    return LaunchPlan(plugin, fn, sig, consts, inputs_of(plugin), scalars, outputs_of(plugin),
+                      options)  # fmt: skip
+
+
+def output_shapes(plugin: str, shapes: Sequence[Sequence]) -> list[tuple]:
+    """Output shapes: a write's caches keep their shapes; attention's output is q's shape."""
+    if plugin.startswith("Cache"):
+        return [tuple(s) for s in shapes[: len(outputs_of(plugin))]]
+    return [tuple(shapes[0])]
+
+
+def register_signature(plugin: str, tensor_type: type) -> inspect.Signature:
+    """The ``@trtp.register`` signature: tensor inputs, then every declared attribute."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter(n, kind, annotation=tensor_type) for n in inputs_of(plugin)]
+    params += [inspect.Parameter(n, kind, annotation=t) for n, t in attrs_of(plugin).items()]
+    n_out = len(outputs_of(plugin))
+    ret = tensor_type if n_out == 1 else tuple[(tensor_type,) * n_out]
+    return inspect.Signature(params, return_annotation=ret)
