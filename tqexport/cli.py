@@ -561,7 +561,9 @@ BENCH_DTYPES = (
 BENCH_SPEED_DTYPES = ("auto", "fp8", "turboquant_4bit_nc")
 
 
-def _bench_configs(dtypes: list[str] | None, boundary: str, skip_layers: list[str] | None):
+def _bench_configs(
+    dtypes: list[str] | None, boundary: str, skip_layers: list[str] | None, recent: str = "0"
+):
     from tqexport.bench.quality import Config
     from tqexport.kvquant.modes import parse_kv_cache_dtype
 
@@ -571,11 +573,12 @@ def _bench_configs(dtypes: list[str] | None, boundary: str, skip_layers: list[st
     for n in names:
         parse_kv_cache_dtype(n)
     skip = tuple(_split(skip_layers))
+    windows = _ints(recent, "recent-window", minimum=0)
     configs = []
     for n in names:
         flags = {"on": [True], "off": [False], "both": [True, False]}[boundary]
         for b in flags if n.startswith("turboquant") else [True]:
-            configs.append(Config(n, b, skip))
+            configs += [Config(n, b, skip, w) for w in (windows if n != "auto" else [0])]
     return configs
 
 
@@ -622,6 +625,9 @@ def bench_quality(
         str, typer.Option(help="TurboQuant boundary protection: on, off or both.")
     ] = "both",
     skip_layers: SkipOption = None,
+    recent_window: Annotated[
+        str, typer.Option(help="--kv-recent-window values to score, e.g. 0,32,128.")
+    ] = "0",
     chunk: Annotated[int, typer.Option(help="Tokens per evaluation window.")] = 1024,
     chunks: Annotated[int, typer.Option(help="Windows scored (from the text's start).")] = 4,
     text_file: Annotated[
@@ -633,7 +639,7 @@ def bench_quality(
     """Perplexity, KL and top-1 agreement per kv-cache configuration, through the paged caches."""
     from tqexport.bench.report import with_deltas
 
-    configs = _bench_configs(kv_cache_dtype, boundary, skip_layers)
+    configs = _bench_configs(kv_cache_dtype, boundary, skip_layers, recent_window)
     ours, peer_result, note = _quality(target, configs, text_file, chunk, chunks, peer)
     rows = with_deltas(ours, peer_result)
     if as_json:
@@ -695,13 +701,14 @@ def bench_speed(
     _print_speed(speed)
 
 
-def _ints(text: str, what: str) -> list[int]:
+def _ints(text: str, what: str, minimum: int = 1) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         values = []
-    if not values or min(values) < 1:
-        raise TQExportError(f"--{what} must be positive integers separated by commas, got {text!r}")
+    if not values or min(values) < minimum:
+        kind = "positive integers" if minimum == 1 else f"integers >= {minimum}"
+        raise TQExportError(f"--{what} must be {kind} separated by commas, got {text!r}")
     return values
 
 

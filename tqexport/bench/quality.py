@@ -42,17 +42,25 @@ class Config:
         return " ".join([self.kv_cache_dtype, *extra])
 
 
-def bits_per_element(spec: ModelSpec, model_bits: int | None = None) -> float:
-    """KV bits per stored K or V element, all in: every layer's bytes (skipped ones included).
+#: context over which a recent window's fixed per-sequence bytes are amortized
+AMORTIZE_CONTEXT = 4096
 
-    ``model_bits`` counts ``auto`` layers at that width instead of the spec's model dtype (the
-    runs here are fp32; a deployment keeps unquantized layers in 16 bits).
+
+def bits_per_element(spec: ModelSpec, model_bits: int | None = None) -> float:
+    """KV bits per stored K or V element, all in: every layer's bytes (skipped ones included),
+    plus the recent window's bytes amortized over a 4096-token context.
+
+    ``model_bits`` counts unquantized storage (``auto`` layers, recent windows) at that width
+    instead of the spec's model dtype (the runs here are fp32; a deployment keeps them in 16).
     """
     bits = elems = 0
     for la in spec.layers:
         n = 2 * la.cache.num_kv_heads * la.cache.head_size
         plain = model_bits is not None and la.kv_cache_dtype == "auto"
         bits += n * model_bits if plain else 8 * la.cache.bytes_per_token
+        if la.recent is not None:
+            per_token = n * model_bits if model_bits else 8 * la.recent.bytes_per_token
+            bits += per_token * min(la.recent_window, AMORTIZE_CONTEXT) / AMORTIZE_CONTEXT
         elems += n
     return bits / elems
 
@@ -74,6 +82,7 @@ class Run:
             "kv_cache_dtype": self.spec.request["kv_cache_dtype"],
             "boundary": self.spec.request.get("boundary", True),
             "skip_layers": list(self.spec.request.get("skip_layers", [])),
+            "recent_window": self.spec.recent_window,
             "layer_dtypes": [la.kv_cache_dtype for la in self.spec.layers],
             "quantized_dtypes": quantized,
             "bits_per_element": bits_per_element(self.spec, 16),
@@ -134,7 +143,9 @@ def evaluate(
     for c in configs:
         if c.kv_cache_dtype == "auto" and not c.skip_layers:
             continue  # the baseline itself
-        opts = BuildOptions(c.kv_cache_dtype, list(c.skip_layers), c.boundary)
+        opts = BuildOptions(
+            c.kv_cache_dtype, list(c.skip_layers), c.boundary, recent_window=c.recent_window
+        )
         spec, _ = resolve_spec(model_name, lm, opts)
         runs.append(Run(c, spec, _executor(spec, "torch", chunk, lm=lm), "torch"))
     for i, ids in enumerate(chunks):

@@ -1,0 +1,151 @@
+"""Recent window (--kv-recent-window N): the last N tokens of every quantized layer also kept
+in the model dtype. N = 0 is exactly the plain design; the quantized cache still gets every
+token; attention reads positions > q - N from the recent cache."""
+
+import json
+
+import pytest
+import torch
+
+from tqexport.models.loader import load_model
+from tqexport.models.paged import PagedCausalLM
+from tqexport.ops import reference
+from tqexport.resolve import ResolveError, resolve
+from tqexport.runtime.artifact import open_artifact
+from tqexport.runtime.caches import allocate_caches
+from tqexport.runtime.executor import Executor
+from tqexport.runtime.parity import run_parity
+from tqexport.runtime.sequence import SamplingParams
+from tqexport.runtime.steps import SeqChunk, build_step, ordered_inputs
+from tqexport.spec import ModelSpec, SpecError
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_model("tiny-llama", "float32")
+
+
+def prefill(lm, spec, tokens, chunk, num_blocks=12, observer=None):
+    """Logits at every position, prefilling ``tokens`` in chunks; block tables contiguous."""
+    pm = PagedCausalLM(lm.model, spec, mode="inplace", observer=observer)
+    caches = allocate_caches(spec, num_blocks)
+    tables = [list(range(1, num_blocks)) for _ in spec.groups]
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(tokens), chunk):
+            step = build_step(spec, [SeqChunk(tokens[start : start + chunk], start, tables, "all")])
+            out.append(pm(*ordered_inputs(spec, step, caches))[0])
+    return torch.cat(out), caches
+
+
+TOKENS = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def test_zero_window_spec_is_exactly_the_plain_spec():
+    from tqexport.models.config import describe_model
+
+    desc = describe_model("tiny-gemma2", None)
+    plain = resolve(desc, "turboquant_4bit_nc")
+    zero = resolve(desc, "turboquant_4bit_nc", recent_window=0)
+    assert zero.spec.to_json() == plain.spec.to_json()
+    assert "recent" not in plain.spec.to_json()
+    assert zero.spec.graph_io() == plain.spec.graph_io()
+
+
+def test_plan_gives_each_quantized_layer_a_recent_cache_in_its_own_group():
+    from tqexport.models.config import describe_model
+
+    desc = describe_model("tiny-gemma2", None)  # sliding(8) / full alternating
+    spec = resolve(desc, "fp8", ["0"], recent_window=32).spec
+    assert [la.recent_window for la in spec.layers] == [0, 32, 8, 32, 8, 32]
+    recent = {g.window: g for g in spec.groups if g.recent}
+    assert recent[32].layers == (1, 3, 5) and recent[8].layers == (2, 4)
+    la = spec.layer(1)
+    assert [r for r, _, _ in la.cache_tensors] == ["k", "v", "recent_k", "recent_v"]
+    assert la.recent.kv_cache_dtype == "auto" and la.recent.model_dtype == spec.dtype
+    assert la.page_size_bytes == la.cache.page_size_bytes + 16 * 2 * 64 * 4 * 2
+    names = [x["name"] for x in spec.graph_io()["inputs"]]
+    assert names.index("cache.1.recent_k") == names.index("cache.1.v") + 1
+    assert ModelSpec.from_json(spec.to_json()) == spec
+    d = json.loads(spec.to_json())
+    d["layers"][1]["recent"]["window"] = 16
+    with pytest.raises(SpecError, match="recent-window group"):
+        ModelSpec.from_dict(d)
+    with pytest.raises(ResolveError, match="--kv-recent-window must be >= 0"):
+        resolve(desc, "fp8", recent_window=-1)
+    assert "no layer gets a recent window" in resolve(desc, "auto", recent_window=8).warnings[0]
+
+
+def test_window_covering_the_context_reads_only_full_precision(llama):
+    spec = resolve(llama.description, "turboquant_4bit_nc", boundary=False).spec
+    covered = resolve(llama.description, "turboquant_4bit_nc", boundary=False, recent_window=64)
+    auto = resolve(llama.description, "auto").spec
+    seen = {}
+    quantized, q_caches = prefill(llama, spec, TOKENS, 40)
+    got, r_caches = prefill(llama, covered.spec, TOKENS, 40, observer=lambda la, k, v: seen.update(
+        {la.index: (k, v)}))  # fmt: skip
+    want, _ = prefill(llama, auto, TOKENS, 40)
+    assert torch.equal(got, want)  # every key read from the model-dtype cache
+    assert (quantized - want).abs().max() > 1e-2  # while the quantized path differs
+    # the quantized cache still receives every token, encoded exactly as without the window
+    assert torch.equal(r_caches["cache.0.kv"], q_caches["cache.0.kv"])  # same input, same bytes
+    slots = torch.arange(16, 56)  # blocks 1.. contiguous
+    for la in covered.spec.layers:
+        k, v = seen[la.index]
+        empty = [torch.zeros_like(r_caches[la.onnx_input("kv")])]
+        want_bytes = reference.write_cache(la.cache.codec, empty, k, v, slots)[0]
+        assert torch.equal(r_caches[la.onnx_input("kv")], want_bytes), la.index
+        assert torch.equal(r_caches[la.onnx_input("recent_k")][1:4].flatten(0, 1)[:40], k)
+
+
+@pytest.mark.parametrize("dtype", ["turboquant_k3v4_nc", "fp8", "int4_per_token_head"])
+def test_recent_window_is_chunking_invariant_and_between_plain_and_quantized(llama, dtype):
+    spec = resolve(llama.description, dtype, boundary=False, recent_window=8).spec
+    whole, _ = prefill(llama, spec, TOKENS, 40)
+    for chunk in (7, 1):
+        got, _ = prefill(llama, spec, TOKENS, chunk)
+        # a row computed in a smaller batch differs in the last bits, which can flip one code
+        # at a rounding threshold (~2e-4 in a logit); a window bug would be ~1e-2
+        torch.testing.assert_close(got, whole, atol=1e-3, rtol=1e-3)
+    plain, _ = prefill(llama, resolve(llama.description, dtype, boundary=False).spec, TOKENS, 40)
+    auto, _ = prefill(llama, resolve(llama.description, "auto").spec, TOKENS, 40)
+    # the first 8 positions see only recent keys: exactly the unquantized result
+    torch.testing.assert_close(whole[:8], auto[:8], atol=1e-5, rtol=1e-5)
+    assert (whole[8:] - plain[8:]).abs().max() > 1e-3  # later ones mix both caches
+
+
+def test_executor_recycles_recent_blocks_and_matches_contiguous_prefill(llama):
+    """Served through the block manager (window blocks recycled through the null block), a
+    long generation equals a prefill of the same tokens with contiguous tables."""
+    from tqexport.runtime.artifact import Artifact
+
+    spec = resolve(llama.description, "turboquant_4bit_nc", boundary=False, recent_window=8).spec
+    spec = ModelSpec(model={**spec.model, "path": "tiny-llama"}, dtype=spec.dtype,
+                     block_size=spec.block_size, layers=spec.layers, groups=spec.groups,
+                     request=spec.request, io=spec.graph_io())  # fmt: skip
+    ex = Executor(Artifact(None, spec), "torch", num_blocks=16, max_num_seqs=2,
+                  max_num_batched_tokens=16, source_model=llama)  # fmt: skip
+    recent_group = next(g.id for g in spec.groups if g.recent)
+    assert ex.group_num_blocks[recent_group] == 1 + 2 * (1 + 2) + 1 < 16
+    seq = ex.generate([TOKENS[:20]], SamplingParams(max_tokens=40, ignore_stop=True))[0]
+    assert len(seq.output) == 40
+    tokens = seq.prompt + seq.output
+    logits, _ = prefill(llama, spec, tokens[:-1], 59, num_blocks=8)
+    assert logits[19:].argmax(-1).tolist() == seq.output
+
+
+@pytest.mark.parametrize(
+    "model,dtype,skip", [("tiny-llama", "turboquant_4bit_nc", []), ("tiny-gemma2", "fp8", ["1"])]
+)
+def test_onnx_artifact_with_recent_window_matches_reference(artifacts, model, dtype, skip):
+    art = open_artifact(artifacts(model, dtype, skip, recent_window=8))
+    assert any(la.recent_window for la in art.spec.layers)
+    report = run_parity(art, steps=12, prompt_len=20, batch=3)
+    assert report.ok, [c for c in report.layers if not c.ok]  # cache bytes and attention
+    ort = Executor(art, "ort", num_blocks=24, max_num_seqs=3)
+    torch_ex = Executor(art, "torch", num_blocks=24, max_num_seqs=3)
+    params = SamplingParams(max_tokens=24, ignore_stop=True)
+    ps = [TOKENS[:11], TOKENS[:3], TOKENS[5:30]]
+    assert [s.output for s in ort.generate(ps, params)] == [
+        s.output for s in torch_ex.generate(ps, params)
+    ]
