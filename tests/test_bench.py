@@ -67,38 +67,53 @@ def test_chunking_and_text_identity(tmp_path):
         evaltext.file_text(tmp_path / "missing.txt")
 
 
-def _fake_quant_attention(codec_for_layer):
-    """Eager attention on K/V round-tripped through each layer's codec: an independent path
-    (no paged cache, no block tables, no custom ops) to the same quantized arithmetic."""
+def _fake_quant_attention(codec_for_layer, recent_window=0):
+    """Eager attention on K/V round-tripped through each layer's codec (keys within the last
+    ``recent_window`` positions of each query left raw): an independent path (no paged cache,
+    no block tables, no custom ops) to the same quantized arithmetic."""
 
     def attend(module, query, key, value, attention_mask, scaling=None, **kw):
         codec = codec_for_layer(module.layer_idx)
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, D]
         kq, vq = codec.decode(codec.encode(k, v))
-        kq, vq = kq.transpose(0, 1)[None], vq.transpose(0, 1)[None]
-        groups = query.shape[1] // kq.shape[1]
-        kq, vq = kq.repeat_interleave(groups, 1), vq.repeat_interleave(groups, 1)
-        out = F.scaled_dot_product_attention(query, kq, vq, is_causal=True, scale=scaling)
-        return out.transpose(1, 2).contiguous(), None
+        groups = query.shape[1] // k.shape[1]
+
+        def heads(x):  # [T, KVH, D] -> [H, T, D]
+            return x.transpose(0, 1).repeat_interleave(groups, 0)
+
+        q = query[0]
+        t = q.shape[1]
+        dist = torch.arange(t)[:, None] - torch.arange(t)[None, :]  # query pos - key pos
+        raw = (dist < recent_window)[None]  # read unquantized
+        scores = torch.where(raw, q @ heads(k).transpose(1, 2), q @ heads(kq).transpose(1, 2))
+        scores = torch.where((dist >= 0)[None], scores * scaling, float("-inf"))
+        p = scores.softmax(-1)
+        out = (p * raw) @ heads(v) + (p * ~raw) @ heads(vq)
+        return out.transpose(0, 1)[None].contiguous(), None
 
     return attend
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "turboquant_4bit_nc", "int4_per_token_head"])
-def test_paged_perplexity_matches_direct_computation(kv_dtype):
+@pytest.mark.parametrize(
+    "kv_dtype,recent",
+    [("auto", 0), ("fp8", 0), ("turboquant_4bit_nc", 0), ("int4_per_token_head", 0),
+     ("turboquant_4bit_nc", 8)],
+)  # fmt: skip
+def test_paged_perplexity_matches_direct_computation(kv_dtype, recent):
     text = evaltext.EvalText("bytes", "".join(chr(32 + (i * 7919) % 90) for i in range(200)))
+    config = quality.Config(kv_dtype, boundary=False, recent_window=recent)
     res, chunks = quality.evaluate(
-        MODEL, [quality.Config(kv_dtype, boundary=False)], text, chunk=48, max_chunks=3,
-        tokenizer=ByteTokenizer(),
-    )  # fmt: skip
+        MODEL, [config], text, chunk=48, max_chunks=3, tokenizer=ByteTokenizer()
+    )
     assert [len(c) for c in chunks] == [48, 48, 48] and chunks[0] == list(text.text[:48].encode())
     lm = load_model(MODEL, "float32")
     spec = quality.resolve_spec(MODEL, lm, quality.BuildOptions(kv_dtype, boundary=False))[0]
-    name = f"tq_fake_{kv_dtype}"
+    name = f"tq_fake_{kv_dtype}_{recent}"
     codecs = {la.index: make_codec(la.kv_cache_dtype, la.cache.head_size, model_dtype="float32",
                                    k_scale=la.cache.k_scale, v_scale=la.cache.v_scale)
               for la in spec.layers}  # fmt: skip
-    transformers.AttentionInterface.register(name, _fake_quant_attention(codecs.__getitem__))
+    attend = _fake_quant_attention(codecs.__getitem__, recent)
+    transformers.AttentionInterface.register(name, attend)
     lm.model.config._attn_implementation = name
     direct, base_direct = Totals(), Totals()
     with torch.no_grad():
@@ -110,7 +125,7 @@ def test_paged_perplexity_matches_direct_computation(kv_dtype):
             direct.add(logits, c, base)
             base_direct.add(base, c, base)
     run = res["runs"][0] if res["runs"] else res["baseline"]
-    assert run["predictions"] == 3 * 47
+    assert run["predictions"] == 3 * 47 and run["recent_window"] == recent
     assert res["baseline"]["ppl"] == pytest.approx(base_direct.summary()["ppl"], rel=1e-5)
     assert run["ppl"] == pytest.approx(direct.summary()["ppl"], rel=1e-4)
     assert run["kl"] == pytest.approx(direct.summary()["kl"], rel=1e-3, abs=1e-7)

@@ -30,6 +30,7 @@ class Config:
     kv_cache_dtype: str
     boundary: bool = True
     skip_layers: tuple[str, ...] = ()
+    recent_window: int = 0
 
     @property
     def label(self) -> str:
@@ -39,6 +40,7 @@ class Config:
             else ["no-boundary"]
         )
         extra += [f"skip {','.join(self.skip_layers)}"] if self.skip_layers else []
+        extra += [f"recent {self.recent_window}"] if self.recent_window else []
         return " ".join([self.kv_cache_dtype, *extra])
 
 
