@@ -68,13 +68,15 @@ def paged_attention(
     """``softcap`` 0 = none, ``window`` 0 = full attention; ``recent_window`` 0 = none (then
     ``recent_cache`` is empty and ``recent_block_tables`` None)."""
     codec = codec_for(kv_cache_dtype, q.shape[-1], model_dtype, k_scale, v_scale)
-    if q.is_cuda and not recent_window:
+    if q.is_cuda:
         from tqexport.ops.triton import paged_attention as triton_attention
 
         if triton_attention.supports(codec):
             return triton_attention.paged_attention(
                 codec, q, cache, block_tables, seq_lens, query_start_loc, positions,
                 scale=scale, softcap=softcap or None, window=window or None,
+                recent_cache=recent_cache or None, recent_block_tables=recent_block_tables,
+                recent_window=recent_window,
             )  # fmt: skip
     return reference.paged_attention(
         codec,

@@ -108,8 +108,12 @@ def _attend(
     NC: tl.constexpr, NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr,
     SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr,
     INLINE: tl.constexpr, E5M2: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
+    recent_window, PART: tl.constexpr,
 ):  # fmt: skip
-    """One (token, kv head, split): online-softmax (acc [G, D], max [G], sum [G]) over its pages."""
+    """One (token, kv head, split): online-softmax (acc [G, D], max [G], sum [G]) over its pages.
+
+    PART 0: every visible key; 1: only keys older than the recent window (positions
+    <= p - recent_window); 2: only keys inside it (read from the recent cache)."""
     # which sequence this token belongs to: how many sequences end at or before it
     seq = 0
     for i in range(0, num_seqs):
@@ -118,6 +122,10 @@ def _attend(
     p = tl.load(pos_ptr + t).to(tl.int32)
     hi = tl.where(real, p + 1, 0)
     lo = tl.where(window > 0, tl.maximum(p - window + 1, 0), 0)
+    if PART == 1:
+        hi = tl.minimum(hi, tl.maximum(p - recent_window + 1, 0))
+    if PART == 2:
+        lo = tl.maximum(lo, p - recent_window + 1)
     lo = tl.minimum(lo, hi)
     first = lo // BS
     n_pages = tl.where(hi > lo, (hi - 1) // BS - first + 1, 0)
@@ -192,22 +200,40 @@ def _attend(
 @triton.jit
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, pos_ptr,
-    rot_ptr, cent_ptr, fp8_ptr, partial_ptr,
-    num_seqs, max_blocks, k_scale, v_scale, sm_scale, softcap, window,
+    rot_ptr, cent_ptr, fp8_ptr, rk_ptr, rv_ptr, recent_tables_ptr, partial_ptr,
+    num_seqs, max_blocks, max_recent_blocks, k_scale, v_scale, sm_scale, softcap, window,
+    recent_window,
     H: tl.constexpr, KVH: tl.constexpr, GROUPS: tl.constexpr, G: tl.constexpr,
     D: tl.constexpr, BS: tl.constexpr, MODE: tl.constexpr, NSPLIT: tl.constexpr,
     SLOT: tl.constexpr, KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
     NC: tl.constexpr, NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr,
-    SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr,
+    SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr, RECENT: tl.constexpr,
 ):  # fmt: skip
+    """Split ``split`` of one (token, kv head); with RECENT, keys inside the recent window come
+    from the model-dtype recent cache (``rk_ptr``/``rv_ptr`` paged by ``recent_tables_ptr``)."""
     t = tl.program_id(0)
     split = tl.program_id(2)
     acc, m, l_sum = _attend(
         t, tl.program_id(1), split, q_ptr, k_ptr, v_ptr, block_tables_ptr, qsl_ptr, pos_ptr,
         rot_ptr, cent_ptr, fp8_ptr, num_seqs, max_blocks, k_scale, v_scale, sm_scale, softcap,
         window, H, KVH, GROUPS, G, D, BS, MODE, NSPLIT, SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NC,
-        NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, False, False, 0.0, None,
+        NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, False, False, 0.0, None, recent_window,
+        1 if RECENT else 0,
     )  # fmt: skip
+    if RECENT:  # the recent window's keys, from the model-dtype cache, merged in
+        acc2, m2, l2 = _attend(
+            t, tl.program_id(1), split, q_ptr, rk_ptr, rv_ptr, recent_tables_ptr, qsl_ptr,
+            pos_ptr, rot_ptr, cent_ptr, fp8_ptr, num_seqs, max_recent_blocks, 1.0, 1.0,
+            sm_scale, softcap, window, H, KVH, GROUPS, G, D, BS, 0, NSPLIT, 1, KEY_BITS,
+            VAL_BITS, False, False, 0, 0, 0, 0, False, False, 0.0, None, recent_window, 2,
+        )  # fmt: skip
+        big = tl.maximum(m, m2)
+        big_safe = tl.where(big == float("-inf"), 0.0, big)
+        a1 = tl.where(m == float("-inf"), 0.0, tl.exp(m - big_safe))
+        a2 = tl.where(m2 == float("-inf"), 0.0, tl.exp(m2 - big_safe))
+        acc = acc * a1[:, None] + acc2 * a2[:, None]
+        l_sum = l_sum * a1 + l2 * a2
+        m = big
     gi = tl.arange(0, G)
     d = tl.arange(0, D)
     gmask = gi < GROUPS
@@ -236,7 +262,7 @@ def _attend_to_output(
         t, kvh, 0, q_ptr, k_ptr, v_ptr, block_tables_ptr, qsl_ptr, pos_ptr,
         q_ptr, q_ptr, q_ptr, num_seqs, max_blocks, K_SCALE, V_SCALE, SM_SCALE, SOFTCAP,
         WINDOW, H, KVH, GROUPS, G, D, BS, MODE, 1, SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NC,
-        NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, True, E5M2, INV_SQRT, CENT,
+        NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, True, E5M2, INV_SQRT, CENT, 0, 0,
     )  # fmt: skip
     gi = tl.arange(0, G)
     d = tl.arange(0, D)
@@ -308,19 +334,23 @@ def merge_kernel(partial_ptr, out_ptr, D: tl.constexpr, NSPLIT: tl.constexpr):
 
 
 _PTRS = ("q_ptr", "k_ptr", "v_ptr", "block_tables_ptr", "seq_lens_ptr", "qsl_ptr", "pos_ptr",
-         "rot_ptr", "cent_ptr", "fp8_ptr", "partial_ptr")  # fmt: skip
-_SCALARS = {"num_seqs": "i32", "max_blocks": "i32", "k_scale": "fp32", "v_scale": "fp32",
-            "sm_scale": "fp32", "softcap": "fp32", "window": "i32"}  # fmt: skip
+         "rot_ptr", "cent_ptr", "fp8_ptr", "rk_ptr", "rv_ptr", "recent_tables_ptr",
+         "partial_ptr")  # fmt: skip
+_SCALARS = {"num_seqs": "i32", "max_blocks": "i32", "max_recent_blocks": "i32",
+            "k_scale": "fp32", "v_scale": "fp32", "sm_scale": "fp32", "softcap": "fp32",
+            "window": "i32", "recent_window": "i32"}  # fmt: skip
 
 
-def kernel_variants(codec: Codec, heads: int, kv_heads: int, block_size: int, splits: int = 2):
+def kernel_variants(
+    codec: Codec, heads: int, kv_heads: int, block_size: int, splits: int = 2, recent=False
+):
     """(kernel, signature, constexprs) of both kernels for one layer: ahead-of-time checks."""
     cache_t = "*fp32" if isinstance(codec, UnquantizedCodec) else "*u8"
     types = ("*fp32", cache_t, cache_t, "*i32", "*i32", "*i32", "*i64",
-             "*fp32", "*fp32", "*fp32", "*fp32")  # fmt: skip
+             "*fp32", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*fp32")  # fmt: skip
     consts = dict(H=heads, KVH=kv_heads, GROUPS=heads // kv_heads,
                   G=triton.next_power_of_2(heads // kv_heads), D=codec.head_size, BS=block_size,
-                  NSPLIT=splits, **_layout_constants(codec))  # fmt: skip
+                  NSPLIT=splits, **_layout_constants(codec), RECENT=recent)  # fmt: skip
     sig = {**dict(zip(_PTRS, types, strict=True)), **_SCALARS, **dict.fromkeys(consts, "constexpr")}
     merge_consts = dict(D=codec.head_size, NSPLIT=splits)
     merge_sig = {
@@ -363,6 +393,7 @@ def supports(codec: Codec) -> bool:
 def paged_attention(
     codec: Codec, q, cache, block_tables, seq_lens, query_start_loc, positions,
     *, scale: float, softcap: float | None = None, window: int | None = None, splits: int = 2,
+    recent_cache=None, recent_block_tables=None, recent_window: int = 0,
 ):  # fmt: skip
     """Same contract as :func:`tqexport.ops.reference.paged_attention`."""
     tokens, heads, d = q.shape
@@ -386,13 +417,19 @@ def paged_attention(
         k_scale, v_scale = codec.k_scale, codec.v_scale
     else:
         k_cache, v_cache = cache
+    if recent_window:
+        rk, rv = recent_cache
+        recent_tables = recent_block_tables.contiguous()
+    else:
+        rk = rv = dummy
+        recent_tables = block_tables.contiguous()
     paged_attention_kernel[(tokens, kvh, splits)](
         q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens,
-        query_start_loc, positions, rot, cent, fp8, partial,
-        block_tables.shape[0], block_tables.shape[1], k_scale, v_scale, scale,
-        float(softcap or 0.0), int(window or 0),
+        query_start_loc, positions, rot, cent, fp8, rk, rv, recent_tables, partial,
+        block_tables.shape[0], block_tables.shape[1], recent_tables.shape[1], k_scale, v_scale,
+        scale, float(softcap or 0.0), int(window or 0), int(recent_window),
         H=heads, KVH=kvh, GROUPS=groups, G=triton.next_power_of_2(groups), D=d, BS=bs,
-        NSPLIT=splits, **kw,
+        NSPLIT=splits, **kw, RECENT=bool(recent_window),
     )  # fmt: skip
     out = torch.empty(tokens, heads, d, dtype=torch.float32, device=dev)
     merge_kernel[(tokens * heads,)](partial, out, D=d, NSPLIT=splits)
