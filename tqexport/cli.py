@@ -691,10 +691,13 @@ def bench_speed(
     workdir: Annotated[Path, typer.Option(help="Where MODEL's artifacts are built.")] = Path(
         "out/bench"
     ),
+    recent_window: Annotated[
+        str, typer.Option(help="--kv-recent-window values per quantized dtype, e.g. 0,32.")
+    ] = "0",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ):
     """Decode tokens/s vs context and batch per kv dtype on ONNX Runtime CPU; KV memory."""
-    speed = _speed(target, kv_cache_dtype, contexts, batches, steps, budget, workdir)
+    speed = _speed(target, kv_cache_dtype, contexts, batches, steps, budget, workdir, recent_window)
     if as_json:
         print(json.dumps(speed, indent=2))
         return
@@ -712,12 +715,13 @@ def _ints(text: str, what: str, minimum: int = 1) -> list[int]:
     return values
 
 
-def _speed(target, dtypes, contexts, batches, steps, budget, workdir) -> dict:
+def _speed(target, dtypes, contexts, batches, steps, budget, workdir, recent="0") -> dict:
     from tqexport.bench import speed
     from tqexport.runtime.artifact import open_artifact
     from tqexport.runtime.executor import parse_memory
 
     ctx, bat = _ints(contexts, "contexts"), _ints(batches, "batches")
+    windows = _ints(recent, "recent-window", minimum=0)
     parse_memory(budget, "--budget")
     if steps < 1:
         raise TQExportError(f"--steps must be >= 1, got {steps}")
@@ -730,8 +734,10 @@ def _speed(target, dtypes, contexts, batches, steps, budget, workdir) -> dict:
         names = ["auto", *[n for n in _split(dtypes) or BENCH_SPEED_DTYPES if n != "auto"]]
         arts = {}
         for n in names:
-            err.print(f"artifact {n}: building or reusing under {workdir}", highlight=False)
-            arts[n] = speed.artifact_for(target, n, workdir)
+            for w in windows if n != "auto" else [0]:
+                label = f"{n} recent {w}" if w else n
+                err.print(f"artifact {label}: building or reusing under {workdir}", highlight=False)
+                arts[label] = speed.artifact_for(target, n, workdir, w)
     return speed.measure(
         arts, ctx, bat, steps, budget, progress=lambda what: err.print(what, highlight=False)
     )

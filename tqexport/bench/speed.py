@@ -14,18 +14,21 @@ from pathlib import Path
 
 from tqexport.runtime.artifact import Artifact, open_artifact
 from tqexport.runtime.backends.ort import OrtBackend
-from tqexport.runtime.executor import block_bytes, parse_memory
+from tqexport.runtime.executor import parse_memory, resolve_num_blocks
 from tqexport.runtime.steps import SeqChunk, build_step
 
 
-def artifact_for(model: str, kv_cache_dtype: str, workdir: Path) -> Artifact:
-    """The artifact of MODEL at this kv dtype, built into ``workdir`` once and then reused."""
+def artifact_for(model: str, kv_cache_dtype: str, workdir: Path, recent_window: int = 0):
+    """The artifact of MODEL at this kv dtype (and recent window), built into ``workdir`` once
+    and then reused."""
     from tqexport.export.artifact import BuildOptions, build_artifact
 
-    out = workdir / f"{Path(model).name}-{kv_cache_dtype}"
+    suffix = f"-recent{recent_window}" if recent_window else ""
+    out = workdir / f"{Path(model).name}-{kv_cache_dtype}{suffix}"
     if not (out / "tqexport.json").is_file():
         workdir.mkdir(parents=True, exist_ok=True)
-        build_artifact(model, out, BuildOptions(kv_cache_dtype=kv_cache_dtype))
+        opts = BuildOptions(kv_cache_dtype=kv_cache_dtype, recent_window=recent_window)
+        build_artifact(model, out, opts)
     return open_artifact(out)
 
 
@@ -73,10 +76,11 @@ def measure(
                 "tokens_per_second": {n: 1000 * b / v for n, v in ms.items()},
                 "speed_vs_auto": {n: ms["auto"] / v for n, v in ms.items()},
             })  # fmt: skip
-    nbytes = parse_memory(budget)
+    parse_memory(budget)
     memory = []
     for name, art in arts.items():
-        resident = (nbytes // block_bytes(art) - 1) * art.spec.block_size
+        blocks = max(resolve_num_blocks(art, None, budget))  # recent windows (64 seqs) first
+        resident = (blocks - 1) * art.spec.block_size
         memory.append({"label": name, "kv_bytes_per_token": art.spec.bytes_per_token,
                        "resident_tokens": resident})  # fmt: skip
     auto = next(m for m in memory if m["label"] == "auto")
