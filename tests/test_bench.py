@@ -160,9 +160,30 @@ def test_goals_compare_each_tool_with_its_own_baseline():
     rows = report.with_deltas(quality_result, peer)
     assert [round(r["ppl_delta_pct"], 6) for r in rows] == [0, 5, 0.2, 0, 0, 6]
     g = report.goals(rows, None)
-    assert [x["met"] for x in g] == [True, False]
+    assert [x["met"] for x in g] == [True, False, False]
     assert g[0]["detail"] == "+5.00% vs +6.00%" and g[1]["detail"] == "+0.20% vs +0.00%"
-    assert [x["met"] for x in report.goals(rows[:3], None)] == [None, None]
+    assert g[2]["detail"] == "best: turboquant_4bit_nc at 4.400 bits, +5.00%"
+    assert [x["met"] for x in report.goals(rows[:3], None)] == [None, None, False]
+    quality_result["runs"].append({"label": "k recent 32", "ppl": 10.09, "bits_per_element": 4.5})
+    assert report.goals(report.with_deltas(quality_result, peer), None)[2]["met"] is True
+
+
+def test_quality_parts_merge_only_when_comparable():
+    q = {
+        "model": "m",
+        "text": {"sha256": "abc"},
+        "chunking": {"chunks": 2},
+        "baseline": {"label": "auto", "ppl": 10.0},
+        "runs": [{"label": "fp8", "ppl": 10.1}],
+    }
+    other = {**q, "runs": [{"label": "fp8", "ppl": 10.1}, {"label": "tq r32", "ppl": 10.2}]}
+    merged, peer, note = report.merge_quality(
+        [{"quality": q, "peer": None, "peer_note": "not run (--no-peer)"},
+         {"quality": other, "peer": {"runs": []}, "peer_note": None}], "m")  # fmt: skip
+    assert [r["label"] for r in merged["runs"]] == ["fp8", "tq r32"] and peer == {"runs": []}
+    assert note is None
+    with pytest.raises(TQExportError, match="differ in model, text, chunking or baseline"):
+        report.merge_quality([{"quality": q}, {"quality": {**q, "chunking": {"chunks": 3}}}], "m")
 
 
 def test_artifact_dir_is_scored_on_onnx_runtime_like_the_torch_path(artifacts):

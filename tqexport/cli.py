@@ -771,36 +771,47 @@ def _print_speed(speed: dict) -> None:
 def bench_report(
     model: Annotated[str, typer.Argument(help="MODEL (HF dir, .gguf, built-in).")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Report directory.")],
-    chunks: Annotated[int, typer.Option(help="Quality windows of 1024 tokens.")] = 4,
+    chunks: Annotated[int, typer.Option(help="Quality windows of 1024 tokens.")] = 8,
     contexts: Annotated[str, typer.Option(help="Decode context lengths.")] = "256,1024,4096",
     batches: Annotated[str, typer.Option(help="Decode batch sizes.")] = "1,8",
     workdir: Annotated[Path, typer.Option(help="Where the speed artifacts are built.")] = Path(
         "out/bench"
     ),
     quality_json: Annotated[
-        Path | None,
-        typer.Option(help="Reuse this `bench quality MODEL --json` output instead of rerunning."),
+        list[Path] | None,
+        typer.Option(
+            help="Reuse `bench quality MODEL --json` outputs (repeatable) instead of rerunning."
+        ),
     ] = None,
 ):
-    """Quality + speed side by side: report.md, PNG plots and results.json in OUT."""
+    """Quality + speed side by side: report.md, PNG plots and results.json in OUT.
+
+    Quality: every kv dtype (TurboQuant with and without boundary protection) against
+    llama.cpp, then the TurboQuant presets with recent windows 32 and 128. Speed: auto, fp8
+    and turboquant_4bit_nc, the last also with a 32-token recent window."""
     from tqexport.bench import report
 
-    if quality_json is not None:
-        try:
-            saved = json.loads(quality_json.read_text())
-            ours, peer_result, note = saved["quality"], saved["peer"], saved["peer_note"]
-        except (OSError, ValueError, KeyError):
-            raise TQExportError(
-                f"--quality-json {quality_json} is not the output of `bench quality --json`"
-            ) from None
-        if ours["model"] != model:
-            raise TQExportError(
-                f"--quality-json {quality_json} is for {ours['model']}, not {model}"
-            )
+    if quality_json:
+        parts = []
+        for path in quality_json:
+            try:
+                parts.append(json.loads(path.read_text()))
+                parts[-1]["quality"]["model"]
+            except (OSError, ValueError, KeyError, TypeError):
+                raise TQExportError(
+                    f"--quality-json {path} is not the output of `bench quality --json`"
+                ) from None
     else:
-        configs = _bench_configs(None, "both", None)
-        ours, peer_result, note = _quality(model, configs, None, 1024, chunks, True)
-    speed = _speed(model, None, contexts, batches, 4, "512MiB", workdir)
+        tq = [n for n in BENCH_DTYPES if n.startswith("turboquant")]
+        parts = []
+        for configs, peer in (
+            (_bench_configs(None, "both", None), True),
+            (_bench_configs(tq, "both", None, "32,128"), False),
+        ):
+            ours, peer_result, note = _quality(model, configs, None, 1024, chunks, peer)
+            parts.append({"quality": ours, "peer": peer_result, "peer_note": note})
+    ours, peer_result, note = report.merge_quality(parts, model)
+    speed = _speed(model, None, contexts, batches, 4, "512MiB", workdir, "0,32")
     rows = report.with_deltas(ours, peer_result)
     results = {
         "model": model,

@@ -40,6 +40,31 @@ def machine() -> dict:
     }
 
 
+def merge_quality(parts: list[dict], model: str) -> tuple[dict, dict | None, str | None]:
+    """One quality result from several ``bench quality --json`` runs of the same model, text
+    and chunking (their runs concatenated; the peer from whichever part ran it)."""
+    from tqexport.errors import TQExportError
+
+    first = parts[0]["quality"]
+    merged = {**first, "runs": []}
+    peer, note = None, None
+    for part in parts:
+        q = part["quality"]
+        same = (q["model"], q["text"]["sha256"], q["chunking"]) == (
+            model, first["text"]["sha256"], first["chunking"]
+        )  # fmt: skip
+        if not same or abs(q["baseline"]["ppl"] - first["baseline"]["ppl"]) > 1e-9:
+            raise TQExportError(
+                f"quality results differ in model, text, chunking or baseline ({q['model']}, "
+                f"{q['chunking']}); rerun them with the same options for {model}"
+            )
+        seen = {r["label"] for r in merged["runs"]}
+        merged["runs"] += [r for r in q["runs"] if r["label"] not in seen]
+        peer = peer or part.get("peer")
+        note = note or part.get("peer_note")
+    return merged, peer, None if peer else note
+
+
 def with_deltas(quality: dict | None, peer: dict | None) -> list[dict]:
     """Every quality row with its PPL change vs its own tool's baseline, ours first."""
     rows = []
@@ -73,6 +98,15 @@ def goals(rows: list[dict], speed: dict | None) -> list[dict]:
         da, db = a["ppl_delta_pct"], b["ppl_delta_pct"]
         met = da < db if theirs == "q4_0" else da <= db
         out.append({"goal": goal, "met": met, "detail": f"{da:+.2f}% vs {db:+.2f}%"})
+    ours = [r for r in rows if r["tool"] == "tqexport" and r["bits_per_element"] <= 4.5]
+    if ours:
+        best = min(ours, key=lambda r: r["ppl_delta_pct"])
+        out.append({
+            "goal": "a configuration at <= 4.5 bits per element all in costs <= 1% perplexity",
+            "met": best["ppl_delta_pct"] <= 1.0,
+            "detail": f"best: {best['label']} at {best['bits_per_element']:.3f} bits, "
+            f"{best['ppl_delta_pct']:+.2f}%",
+        })  # fmt: skip
     if speed:
         worst = max(
             abs(m["resident_vs_auto"] / m["bytes_ratio_auto_over_this"] - 1)
