@@ -16,8 +16,13 @@ VLLM_NAMES = [
 ]  # fmt: skip
 
 
-def test_registry_holds_exactly_the_vllm_names():
-    assert list(KV_CACHE_DTYPES) == VLLM_NAMES
+NATIVE_NAMES = ["tqx_k4v4_g32", "tqx_k4v3_g32"]
+
+
+def test_registry_holds_the_vllm_names_then_the_native_ones():
+    assert list(KV_CACHE_DTYPES) == VLLM_NAMES + NATIVE_NAMES
+    assert not set(NATIVE_NAMES) & set(VLLM_NAMES)
+    assert all(quant_mode_of(n) is KVQuantMode.TURBOQUANT for n in NATIVE_NAMES)
 
 
 @pytest.mark.parametrize("name", VLLM_NAMES)

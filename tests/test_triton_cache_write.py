@@ -12,7 +12,7 @@ from tqexport.kvquant.codecs import make_codec, torch_dtype
 from tqexport.kvquant.packing import unpack_codes
 
 NAMES = ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4",
-         "fp8", "fp8_e5m2", "auto"]  # fmt: skip
+         "fp8", "fp8_e5m2", "auto", "tqx_k4v4_g32", "tqx_k4v3_g32"]  # fmt: skip
 
 # The interpreter must be chosen before triton is imported, so the comparison runs in a child.
 CHILD = r"""

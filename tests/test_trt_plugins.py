@@ -20,7 +20,7 @@ from trt_plugins import contract
 from trt_plugins.ptx import HIDDEN_PARAMS, ContractError, check_contract, compile_plan
 
 NAMES = ["auto", "fp8", "fp8_e5m2", "turboquant_4bit_nc", "turboquant_k3v4_nc",
-         "turboquant_3bit_nc", "turboquant_k8v4"]  # fmt: skip
+         "turboquant_3bit_nc", "turboquant_k8v4", "tqx_k4v4_g32", "tqx_k4v3_g32"]  # fmt: skip
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -55,7 +55,7 @@ def test_one_plugin_per_op_and_cache_arity():
         "CacheWriteSlot": ("CacheWrite", 1), "CacheWriteKV": ("CacheWrite", 2),
         "PagedAttentionSlot": ("PagedAttention", 1), "PagedAttentionKV": ("PagedAttention", 2),
     }  # fmt: skip
-    assert [contract.num_cache_tensors(attrs(n)) for n in NAMES] == [2, 2, 2, 1, 1, 1, 1]
+    assert [contract.num_cache_tensors(attrs(n)) for n in NAMES] == [2, 2, 2, 1, 1, 1, 1, 1, 1]
 
 
 def test_argument_order_is_inputs_then_int32_scalars_then_outputs():

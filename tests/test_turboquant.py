@@ -36,13 +36,40 @@ def test_layout_offsets_d128():
 
 
 def test_presets():
-    got = {n: (p.key_bits, p.value_bits, p.norm_correction) for n, p in tq.PRESETS.items()}
-    assert got == {
-        "turboquant_k8v4": (8, 4, False),
-        "turboquant_4bit_nc": (4, 4, True),
-        "turboquant_k3v4_nc": (3, 4, True),
-        "turboquant_3bit_nc": (3, 3, True),
+    got = {
+        n: (p.key_bits, p.value_bits, p.norm_correction, p.value_group, p.native)
+        for n, p in tq.PRESETS.items()
     }
+    assert got == {
+        "turboquant_k8v4": (8, 4, False, 0, False),
+        "turboquant_4bit_nc": (4, 4, True, 0, False),
+        "turboquant_k3v4_nc": (3, 4, True, 0, False),
+        "turboquant_3bit_nc": (3, 3, True, 0, False),
+        "tqx_k4v4_g32": (4, 4, True, 32, True),
+        "tqx_k4v3_g32": (4, 3, True, 32, True),
+    }
+
+
+@pytest.mark.parametrize(
+    "name,d,offsets",
+    [  # key codes, norm, value offset, value codes, scale 0, zero 0, groups, slot
+        ("tqx_k4v4_g32", 64, (32, 32, 34, 32, 66, 68, 2, 74)),
+        ("tqx_k4v4_g32", 128, (64, 64, 66, 64, 130, 132, 4, 146)),
+        ("tqx_k4v3_g32", 64, (32, 32, 34, 24, 58, 60, 2, 66)),
+        ("tqx_k4v3_g32", 128, (64, 64, 66, 48, 114, 116, 4, 130)),
+    ],
+)
+def test_native_layouts(name, d, offsets):
+    lay = tq.slot_layout(name, d)
+    got = (lay.key_code_bytes, lay.key_norm_offset, lay.value_offset, lay.value_code_bytes,
+           lay.value_scale_offset, lay.value_zero_offset, lay.value_groups,
+           lay.slot_size)  # fmt: skip
+    assert got == offsets and lay.slot_size_aligned == lay.slot_size
+    assert make_codec(name, d).bytes_per_token_head == lay.slot_size
+    assert lay.describe()["value_group"] == 32
+    assert "value_group" not in tq.slot_layout("turboquant_4bit_nc", d).describe()
+    with pytest.raises(TQExportError, match="groups of 32"):
+        tq.check_head_size(tq.preset(name), 16)
 
 
 def test_hadamard_is_symmetric_orthonormal_sylvester():
@@ -171,6 +198,25 @@ def test_golden_slot_bytes_mse_presets(name, key_code, kbits, vbits):
     assert slot[lay.key_norm_offset : lay.key_norm_offset + 2] == [0x00, 0x42]
     assert slot[lay.value_zero_offset : lay.value_zero_offset + 2] == [0, 0]
     assert len(slot) == lay.slot_size_aligned == lay.slot_size
+
+
+@pytest.mark.parametrize("name,vbits", [("tqx_k4v4_g32", 4), ("tqx_k4v3_g32", 3)])
+def test_golden_slot_bytes_native_value_groups(name, vbits):
+    """v_i = i in two groups of 32: each group has its own min (0, 32) and scale 31/levels,
+    stored as (scale, zero) pairs in group order after the packed codes."""
+    d = 64
+    k, v = golden_inputs(d)
+    slot = TurboQuantCodec(name, d).encode(k, v)["kv"][0, 0].tolist()
+    levels = 2**vbits - 1
+    codes = value_codes(32, vbits) * 2  # the same group-local codes in both groups
+    expected = (
+        stream([11] * d, 4) + fp16(3.0) + stream(codes, vbits)
+        + fp16(31 / levels) + fp16(0.0) + fp16(31 / levels) + fp16(32.0)
+    )  # fmt: skip
+    assert slot == expected
+    decoded = TurboQuantCodec(name, d).decode({"kv": torch.tensor([[slot]], dtype=torch.uint8)})
+    step = 31 / levels
+    assert (decoded[1] - v).abs().max() <= step / 2 + 1e-2  # fp16 scale rounding
 
 
 def test_golden_slot_bytes_k8v4_with_padding_untouched():

@@ -377,13 +377,15 @@ class TurboQuantCodec(Codec):
 
     # -- values ----------------------------------------------------------------------------
     def _encode_values(self, v):
-        v = v.float()
+        groups = self.layout.value_groups
+        v = v.float().unflatten(-1, (groups, self.head_size // groups))
         levels = 2**self.preset.value_bits - 1
         lo, hi = v.amin(-1), v.amax(-1)
         scale = ((hi - lo) / levels).clamp_min(VALUE_MIN_SCALE)
         codes = ((v - lo.unsqueeze(-1)) / scale.unsqueeze(-1) + 0.5).floor().clamp(0, levels)
+        params = torch.cat([fp16_bytes(scale), fp16_bytes(lo)], dim=-1)  # [..., groups, 4]
         return torch.cat(
-            [pack_codes(codes, self.preset.value_bits), fp16_bytes(scale), fp16_bytes(lo)], dim=-1
+            [pack_codes(codes.flatten(-2), self.preset.value_bits), params.flatten(-2)], dim=-1
         )
 
     def decode_values(self, slots: torch.Tensor) -> torch.Tensor:
@@ -393,9 +395,10 @@ class TurboQuantCodec(Codec):
             self.preset.value_bits,
             self.head_size,
         )
-        scale = fp16_from_bytes(slots[..., lay.value_scale_offset : lay.value_scale_offset + 2])
-        zero = fp16_from_bytes(slots[..., lay.value_zero_offset : lay.value_zero_offset + 2])
-        return codes.float() * scale.unsqueeze(-1) + zero.unsqueeze(-1)
+        params = slots[..., lay.value_scale_offset : lay.slot_size].unflatten(-1, (-1, 4))
+        scale, zero = fp16_from_bytes(params[..., 0:2]), fp16_from_bytes(params[..., 2:4])
+        codes = codes.float().unflatten(-1, (lay.value_groups, -1))
+        return (codes * scale.unsqueeze(-1) + zero.unsqueeze(-1)).flatten(-2)
 
     # -- slots -----------------------------------------------------------------------------
     def encode(self, k, v, out: torch.Tensor | None = None):

@@ -146,6 +146,22 @@ KV_CACHE_DTYPES: dict[str, KVCacheDType] = {
             None,
             "TurboQuant: 3-bit keys (norm-corrected), 3-bit values",
         ),
+        _entry(
+            "tqx_k4v4_g32",
+            _M.TURBOQUANT,
+            "slot",
+            None,
+            "tqexport-native TurboQuant: 4-bit keys (norm-corrected), 4-bit values, scale+zero "
+            "per 32 values",
+        ),
+        _entry(
+            "tqx_k4v3_g32",
+            _M.TURBOQUANT,
+            "slot",
+            None,
+            "tqexport-native TurboQuant: 4-bit keys (norm-corrected), 3-bit values, scale+zero "
+            "per 32 values",
+        ),
     )
 }
 

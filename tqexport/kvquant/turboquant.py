@@ -9,6 +9,10 @@ Layout of one (token, kv-head) slot, little-endian, D = head size:
 - FP8 keys (k8v4): ``D`` bytes, the key as fp8 e4m3, unscaled and unrotated.
 - then ``ceil(D*vbits/8)`` bytes of packed value codes, fp16 scale, fp16 zero (= min).
 - then padding up to an even size (never read, never written by a cache write).
+
+tqexport-native presets (``tqx_*``, never vLLM names) use the same layout with one change:
+values are quantized in groups of ``value_group`` elements, each with its own fp16 scale and
+fp16 zero, stored as (scale, zero) pairs in group order where vLLM's one pair sits.
 """
 
 from __future__ import annotations
@@ -41,6 +45,13 @@ class TurboQuantPreset:
     key_bits: int
     value_bits: int
     norm_correction: bool
+    #: values per (scale, zero) pair; 0 = the whole head (vLLM's presets)
+    value_group: int = 0
+
+    @property
+    def native(self) -> bool:
+        """A tqexport-native preset (not a vLLM layout)."""
+        return not self.name.startswith("turboquant_")
 
     @property
     def key_fp8(self) -> bool:
@@ -58,6 +69,9 @@ PRESETS: dict[str, TurboQuantPreset] = {
         TurboQuantPreset("turboquant_4bit_nc", 4, 4, True),
         TurboQuantPreset("turboquant_k3v4_nc", 3, 4, True),
         TurboQuantPreset("turboquant_3bit_nc", 3, 3, True),
+        # tqexport-native: finer value groups, and 4-bit keys with 3-bit grouped values
+        TurboQuantPreset("tqx_k4v4_g32", 4, 4, True, value_group=32),
+        TurboQuantPreset("tqx_k4v3_g32", 4, 3, True, value_group=32),
     )
 }
 
@@ -81,6 +95,11 @@ def check_head_size(p: TurboQuantPreset, head_size: int) -> None:
         )
     if p.value_bits == 3 and head_size % 8:
         raise TQExportError(f"{p.name} packs 3-bit values and needs head_size % 8 == 0")
+    if p.value_group and head_size % p.value_group:
+        raise TQExportError(
+            f"{p.name} quantizes values in groups of {p.value_group} and needs a head size "
+            f"divisible by it, got {head_size}"
+        )
 
 
 @dataclass(frozen=True)
@@ -114,17 +133,24 @@ class SlotLayout:
         return packed_bytes(self.head_size, self.preset.value_bits)
 
     @property
+    def value_groups(self) -> int:
+        """(scale, zero) pairs per slot: 1 for vLLM presets."""
+        return self.head_size // self.preset.value_group if self.preset.value_group else 1
+
+    @property
     def value_scale_offset(self) -> int:
+        """Offset of group 0's fp16 scale; group g's is at ``+ 4 * g``."""
         return self.value_offset + self.value_code_bytes
 
     @property
     def value_zero_offset(self) -> int:
+        """Offset of group 0's fp16 zero; group g's is at ``+ 4 * g``."""
         return self.value_scale_offset + 2
 
     @property
     def slot_size(self) -> int:
         """Bytes a cache write touches."""
-        return self.value_zero_offset + 2
+        return self.value_scale_offset + 4 * self.value_groups
 
     @property
     def slot_size_aligned(self) -> int:
@@ -150,7 +176,12 @@ class SlotLayout:
             "value_zero_offset": self.value_zero_offset,
             "slot_size": self.slot_size,
             "slot_size_aligned": self.slot_size_aligned,
-        }
+        } | (
+            {"value_group": self.preset.value_group, "value_groups": self.value_groups,
+             "value_params": "(fp16 scale, fp16 zero) per group, group order"}
+            if self.preset.value_group
+            else {}
+        )  # fmt: skip
 
 
 def slot_layout(name: str, head_size: int) -> SlotLayout:

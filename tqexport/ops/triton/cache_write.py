@@ -100,8 +100,10 @@ def _turboquant_write(
     KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
     NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
     ZERO_OFF: tl.constexpr, INLINE: tl.constexpr, INV_SQRT: tl.constexpr, TH: tl.constexpr,
+    NG: tl.constexpr,
 ):  # fmt: skip
-    """Encode and pack one (token, kv head) into its slot: the body of both entry points."""
+    """Encode and pack one (token, kv head) into its slot: the body of both entry points.
+    Values are quantized in NG groups (1 = vLLM), each with an fp16 (scale, zero) pair."""
     t = pid // H
     h = pid % H
     offs = tl.arange(0, D)
@@ -121,14 +123,17 @@ def _turboquant_write(
         _store_packed(base, idx, KEY_BITS, D)
         _store_fp16_bytes(base + NORM_OFF, norm)
     levels: tl.constexpr = 2**VAL_BITS - 1
-    lo = tl.min(v, axis=0)
-    hi = tl.max(v, axis=0)
+    GS: tl.constexpr = D // NG
+    vg = tl.reshape(v, (NG, GS))
+    lo = tl.min(vg, axis=1)
+    hi = tl.max(vg, axis=1)
     scale = tl.maximum((hi - lo) / levels, 1e-8)
-    codes = tl.floor((v - lo) / scale + 0.5)
+    codes = tl.floor((vg - lo[:, None]) / scale[:, None] + 0.5)
     codes = tl.minimum(tl.maximum(codes, 0.0), levels).to(tl.int32)
-    _store_packed(base + VAL_OFF, codes, VAL_BITS, D)
-    _store_fp16_bytes(base + SCALE_OFF, scale)
-    _store_fp16_bytes(base + ZERO_OFF, lo)
+    _store_packed(base + VAL_OFF, tl.reshape(codes, (D,)), VAL_BITS, D)
+    pair = tl.arange(0, NG) * 4
+    _store_fp16_bytes(base + SCALE_OFF + pair, scale)
+    _store_fp16_bytes(base + ZERO_OFF + pair, lo)
 
 
 @triton.jit
@@ -137,11 +142,12 @@ def turboquant_write_kernel(
     H: tl.constexpr, D: tl.constexpr, SLOT: tl.constexpr,
     KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
     NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
-    ZERO_OFF: tl.constexpr,
+    ZERO_OFF: tl.constexpr, NG: tl.constexpr,
 ):  # fmt: skip
     _turboquant_write(
         tl.program_id(0), k_ptr, v_ptr, slot_ptr, cache_ptr, rot_ptr, th_ptr, H, D, SLOT,
         KEY_BITS, VAL_BITS, KEY_FP8, NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, False, 0.0, None,
+        NG,
     )  # fmt: skip
 
 
@@ -151,14 +157,14 @@ def trt_turboquant_write_kernel(
     H: tl.constexpr, D: tl.constexpr, SLOT: tl.constexpr,
     KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
     NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
-    ZERO_OFF: tl.constexpr, INV_SQRT: tl.constexpr, TH: tl.constexpr,
+    ZERO_OFF: tl.constexpr, INV_SQRT: tl.constexpr, TH: tl.constexpr, NG: tl.constexpr,
 ):  # fmt: skip
     """TensorRT order (node inputs, then the output): tables in-kernel; the output aliases
     ``cache_in_ptr``, which is only there to keep the argument positions."""
     _turboquant_write(
         tl.program_id(0), k_ptr, v_ptr, slot_ptr, cache_ptr, cache_in_ptr, cache_in_ptr, H, D,
         SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, True,
-        INV_SQRT, TH,
+        INV_SQRT, TH, NG,
     )  # fmt: skip
 
 
@@ -239,7 +245,7 @@ def _turboquant_constants(codec: TurboQuantCodec, heads: int) -> dict:
         H=heads, D=codec.head_size, SLOT=lay.slot_size_aligned,
         KEY_BITS=p.key_bits if not p.key_fp8 else 1, VAL_BITS=p.value_bits, KEY_FP8=p.key_fp8,
         NORM_OFF=lay.key_norm_offset or 0, VAL_OFF=lay.value_offset,
-        SCALE_OFF=lay.value_scale_offset, ZERO_OFF=lay.value_zero_offset,
+        SCALE_OFF=lay.value_scale_offset, ZERO_OFF=lay.value_zero_offset, NG=lay.value_groups,
     )  # fmt: skip
 
 

@@ -108,7 +108,7 @@ def _attend(
     NC: tl.constexpr, NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr,
     SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr,
     INLINE: tl.constexpr, E5M2: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
-    recent_window, PART: tl.constexpr,
+    recent_window, PART: tl.constexpr, NG: tl.constexpr,
 ):  # fmt: skip
     """One (token, kv head, split): online-softmax (acc [G, D], max [G], sum [G]) over its pages.
 
@@ -167,9 +167,13 @@ def _attend(
                 norm = _fp16_at(k_ptr + slot_off + NORM_OFF, kmask)
                 s = tl.sum(q[:, None, :] * c[None, :, :], axis=2) * norm[None, :]
             vcodes = _unpack(k_ptr + VAL_OFF, slot_off, kmask, VAL_BITS, D, BS).to(tl.float32)
-            vscale = _fp16_at(k_ptr + slot_off + SCALE_OFF, kmask)
-            vzero = _fp16_at(k_ptr + slot_off + ZERO_OFF, kmask)
-            vals = vcodes * vscale[:, None] + vzero[:, None]
+            pair = tl.arange(0, NG) * 4  # (scale, zero) of value group g at +4g
+            pmask = kmask[:, None] & (pair[None, :] >= 0)
+            vscale = _fp16_at(k_ptr + slot_off[:, None] + SCALE_OFF + pair[None, :], pmask)
+            vzero = _fp16_at(k_ptr + slot_off[:, None] + ZERO_OFF + pair[None, :], pmask)
+            GS: tl.constexpr = D // NG
+            vals = tl.reshape(vcodes, (BS, NG, GS)) * vscale[:, :, None] + vzero[:, :, None]
+            vals = tl.reshape(vals, (BS, D))
         else:
             off = (rows * KVH + kvh)[:, None] * D + d[None, :]
             kraw = tl.load(k_ptr + off, mask=kmask[:, None], other=0)
@@ -207,7 +211,7 @@ def paged_attention_kernel(
     D: tl.constexpr, BS: tl.constexpr, MODE: tl.constexpr, NSPLIT: tl.constexpr,
     SLOT: tl.constexpr, KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
     NC: tl.constexpr, NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr,
-    SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr, RECENT: tl.constexpr,
+    SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr, RECENT: tl.constexpr, NG: tl.constexpr,
 ):  # fmt: skip
     """Split ``split`` of one (token, kv head); with RECENT, keys inside the recent window come
     from the model-dtype recent cache (``rk_ptr``/``rv_ptr`` paged by ``recent_tables_ptr``)."""
@@ -218,14 +222,14 @@ def paged_attention_kernel(
         rot_ptr, cent_ptr, fp8_ptr, num_seqs, max_blocks, k_scale, v_scale, sm_scale, softcap,
         window, H, KVH, GROUPS, G, D, BS, MODE, NSPLIT, SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NC,
         NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, False, False, 0.0, None, recent_window,
-        1 if RECENT else 0,
+        1 if RECENT else 0, NG,
     )  # fmt: skip
     if RECENT:  # the recent window's keys, from the model-dtype cache, merged in
         acc2, m2, l2 = _attend(
             t, tl.program_id(1), split, q_ptr, rk_ptr, rv_ptr, recent_tables_ptr, qsl_ptr,
             pos_ptr, rot_ptr, cent_ptr, fp8_ptr, num_seqs, max_recent_blocks, 1.0, 1.0,
             sm_scale, softcap, window, H, KVH, GROUPS, G, D, BS, 0, NSPLIT, 1, KEY_BITS,
-            VAL_BITS, False, False, 0, 0, 0, 0, False, False, 0.0, None, recent_window, 2,
+            VAL_BITS, False, False, 0, 0, 0, 0, False, False, 0.0, None, recent_window, 2, 1,
         )  # fmt: skip
         big = tl.maximum(m, m2)
         big_safe = tl.where(big == float("-inf"), 0.0, big)
@@ -254,6 +258,7 @@ def _attend_to_output(
     SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr, E5M2: tl.constexpr,
     K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
+    NG: tl.constexpr,
 ):  # fmt: skip
     """One split, tables in-kernel, acc / sum written to ``out`` in its dtype (no merge pass)."""
     t = tl.program_id(0)
@@ -262,7 +267,7 @@ def _attend_to_output(
         t, kvh, 0, q_ptr, k_ptr, v_ptr, block_tables_ptr, qsl_ptr, pos_ptr,
         q_ptr, q_ptr, q_ptr, num_seqs, max_blocks, K_SCALE, V_SCALE, SM_SCALE, SOFTCAP,
         WINDOW, H, KVH, GROUPS, G, D, BS, MODE, 1, SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NC,
-        NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, True, E5M2, INV_SQRT, CENT, 0, 0,
+        NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, True, E5M2, INV_SQRT, CENT, 0, 0, NG,
     )  # fmt: skip
     gi = tl.arange(0, G)
     d = tl.arange(0, D)
@@ -284,13 +289,14 @@ def trt_paged_attention_kernel(
     SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr, E5M2: tl.constexpr,
     K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
+    NG: tl.constexpr,
 ):  # fmt: skip
     """TensorRT order for separate K and V caches (fp8 bytes or the model dtype)."""
     _attend_to_output(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, qsl_ptr, pos_ptr, num_seqs,
         max_blocks, out_ptr, H, KVH, GROUPS, G, D, BS, MODE, SLOT, KEY_BITS, VAL_BITS, KEY_FP8,
         NC, NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, E5M2, K_SCALE, V_SCALE, SM_SCALE, SOFTCAP,
-        WINDOW, INV_SQRT, CENT,
+        WINDOW, INV_SQRT, CENT, NG,
     )  # fmt: skip
 
 
@@ -305,13 +311,14 @@ def trt_paged_attention_tq_kernel(
     SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr, E5M2: tl.constexpr,
     K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
+    NG: tl.constexpr,
 ):  # fmt: skip
     """TensorRT order for a TurboQuant layer: K and V packed in ONE slot tensor."""
     _attend_to_output(
         q_ptr, cache_ptr, cache_ptr, block_tables_ptr, qsl_ptr, pos_ptr, num_seqs, max_blocks,
         out_ptr, H, KVH, GROUPS, G, D, BS, MODE, SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NC, NORM_OFF,
         VAL_OFF, SCALE_OFF, ZERO_OFF, E5M2, K_SCALE, V_SCALE, SM_SCALE, SOFTCAP, WINDOW,
-        INV_SQRT, CENT,
+        INV_SQRT, CENT, NG,
     )  # fmt: skip
 
 
@@ -364,14 +371,14 @@ def kernel_variants(
 def _layout_constants(codec: Codec) -> dict:
     """MODE and the TurboQuant slot layout as kernel constexprs."""
     kw = dict(MODE=MODE_PLAIN, SLOT=1, KEY_BITS=4, VAL_BITS=4, KEY_FP8=False, NC=False,
-              NORM_OFF=0, VAL_OFF=0, SCALE_OFF=0, ZERO_OFF=0)  # fmt: skip
+              NORM_OFF=0, VAL_OFF=0, SCALE_OFF=0, ZERO_OFF=0, NG=1)  # fmt: skip
     if isinstance(codec, TurboQuantCodec):
         lay, p = codec.layout, codec.preset
         kw.update(MODE=MODE_TQ, SLOT=lay.slot_size_aligned,
                   KEY_BITS=p.key_bits if not p.key_fp8 else 4, VAL_BITS=p.value_bits,
                   KEY_FP8=p.key_fp8, NC=p.norm_correction, NORM_OFF=lay.key_norm_offset or 0,
                   VAL_OFF=lay.value_offset, SCALE_OFF=lay.value_scale_offset,
-                  ZERO_OFF=lay.value_zero_offset)  # fmt: skip
+                  ZERO_OFF=lay.value_zero_offset, NG=lay.value_groups)  # fmt: skip
     elif isinstance(codec, Fp8PerTensorCodec):
         kw.update(MODE=MODE_FP8)
     return kw
