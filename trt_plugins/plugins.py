@@ -112,7 +112,7 @@ def _run_torch_op(plugin: str, attrs: dict, ins: list, outs: list) -> None:
         return
     q, caches, rest = ins[0], ins[1 : 1 + n], ins[1 + n :]
     out = torch.ops.tqexport.paged_attention(
-        q, caches, *rest, *scales, attrs["scale"], attrs["softcap"], attrs["window"]
+        q, caches, *rest, *scales, attrs["scale"], attrs["softcap"], attrs["window"], [], None, 0
     )
     outs[0].copy_(out)
 
