@@ -85,7 +85,7 @@ def evaluate(
         "gguf": path.name,
         "runs": [
             {
-                "label": f"llama.cpp {t}",
+                "label": t,
                 "kv_type": t,
                 "bits_per_element": KV_TYPES[t],
                 **totals[t].summary(),

@@ -75,7 +75,8 @@ def with_deltas(quality: dict | None, peer: dict | None) -> list[dict]:
     if peer:
         base = next(r["ppl"] for r in peer["runs"] if r["kv_type"] == "f16")
         for r in peer["runs"]:
-            rows.append({"tool": "llama.cpp", **r, "ppl_delta_pct": 100 * (r["ppl"] / base - 1)})
+            rows.append({"tool": "llama.cpp", **r, "label": r["kv_type"],
+                         "ppl_delta_pct": 100 * (r["ppl"] / base - 1)})  # fmt: skip
     return rows
 
 
