@@ -557,6 +557,7 @@ app.add_typer(bench_app, name="bench")
 BENCH_DTYPES = (
     "fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head",
     "nvfp4", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",
+    "tqx_k4v4_g32", "tqx_k4v3_g32",
 )  # fmt: skip
 BENCH_SPEED_DTYPES = ("auto", "fp8", "turboquant_4bit_nc")
 
@@ -577,7 +578,7 @@ def _bench_configs(
     configs = []
     for n in names:
         flags = {"on": [True], "off": [False], "both": [True, False]}[boundary]
-        for b in flags if n.startswith("turboquant") else [True]:
+        for b in flags if parse_kv_cache_dtype(n).is_turboquant else [True]:
             configs += [Config(n, b, skip, w) for w in (windows if n != "auto" else [0])]
     return configs
 
@@ -790,6 +791,7 @@ def bench_report(
     llama.cpp, then the TurboQuant presets with recent windows 32 and 128. Speed: auto, fp8
     and turboquant_4bit_nc, the last also with a 32-token recent window."""
     from tqexport.bench import report
+    from tqexport.kvquant.modes import parse_kv_cache_dtype
 
     if quality_json:
         parts = []
@@ -802,7 +804,7 @@ def bench_report(
                     f"--quality-json {path} is not the output of `bench quality --json`"
                 ) from None
     else:
-        tq = [n for n in BENCH_DTYPES if n.startswith("turboquant")]
+        tq = [n for n in BENCH_DTYPES if parse_kv_cache_dtype(n).is_turboquant]
         parts = []
         for configs, peer in (
             (_bench_configs(None, "both", None), True),

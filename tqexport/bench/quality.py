@@ -18,6 +18,7 @@ from tqexport.bench.evaltext import EvalText, chunk_tokens
 from tqexport.bench.metrics import Totals
 from tqexport.errors import TQExportError
 from tqexport.export.artifact import BuildOptions, resolve_spec
+from tqexport.kvquant.modes import parse_kv_cache_dtype
 from tqexport.runtime.artifact import Artifact, open_artifact
 from tqexport.runtime.executor import Executor
 from tqexport.spec import ModelSpec
@@ -36,7 +37,7 @@ class Config:
     def label(self) -> str:
         extra = (
             []
-            if self.boundary or not self.kv_cache_dtype.startswith("turboquant")
+            if self.boundary or not parse_kv_cache_dtype(self.kv_cache_dtype).is_turboquant
             else ["no-boundary"]
         )
         extra += [f"skip {','.join(self.skip_layers)}"] if self.skip_layers else []
