@@ -225,6 +225,8 @@ def test_speed_measures_every_artifact_and_memory_from_the_spec(artifacts):
         (["quality", "smollm2", "--boundary", "sideways"], "--boundary must be on, off or both"),
         (["quality", "smollm2", "--kv-cache-dtype", "fp9"], "unknown kv-cache dtype"),
         (["quality", "smollm2", "--text-file", "/nonexistent.txt"], "not found"),
+        (["quality", "smollm2", "--kv-scales", "x"], "--kv-scales must be a number or 'calibrate'"),
+        (["quality", "smollm2", "--recent-window", "-8"], "--recent-window must be integers >= 0"),
         (["quality", "tiny-llama", "--chunks", "1", "--no-peer"], "has no tokenizer"),
         (["speed", "smollm2", "--contexts", "1k"], "--contexts must be positive integers"),
         (["speed", "smollm2", "--budget", "lots"], "--budget: cannot read"),

@@ -563,13 +563,19 @@ BENCH_SPEED_DTYPES = ("auto", "fp8", "turboquant_4bit_nc")
 
 
 def _bench_configs(
-    dtypes: list[str] | None, boundary: str, skip_layers: list[str] | None, recent: str = "0"
+    dtypes: list[str] | None,
+    boundary: str,
+    skip_layers: list[str] | None,
+    recent: str = "0",
+    kv_scales: str = "1.0",
 ):
     from tqexport.bench.quality import Config
+    from tqexport.export.artifact import parse_kv_scales
     from tqexport.kvquant.modes import parse_kv_cache_dtype
 
     if boundary not in ("on", "off", "both"):
         raise TQExportError(f"--boundary must be on, off or both, got {boundary!r}")
+    parse_kv_scales(kv_scales)
     names = _split(dtypes) or list(BENCH_DTYPES)
     for n in names:
         parse_kv_cache_dtype(n)
@@ -579,7 +585,7 @@ def _bench_configs(
     for n in names:
         flags = {"on": [True], "off": [False], "both": [True, False]}[boundary]
         for b in flags if parse_kv_cache_dtype(n).is_turboquant else [True]:
-            configs += [Config(n, b, skip, w) for w in (windows if n != "auto" else [0])]
+            configs += [Config(n, b, skip, w, kv_scales) for w in (windows if n != "auto" else [0])]
     return configs
 
 
@@ -629,6 +635,9 @@ def bench_quality(
     recent_window: Annotated[
         str, typer.Option(help="--kv-recent-window values to score, e.g. 0,32,128.")
     ] = "0",
+    kv_scales: Annotated[
+        str, typer.Option(help="fp8/nvfp4 per-layer scales: a number, or calibrate (as build).")
+    ] = "1.0",
     chunk: Annotated[int, typer.Option(help="Tokens per evaluation window.")] = 1024,
     chunks: Annotated[int, typer.Option(help="Windows scored (from the text's start).")] = 4,
     text_file: Annotated[
@@ -640,7 +649,7 @@ def bench_quality(
     """Perplexity, KL and top-1 agreement per kv-cache configuration, through the paged caches."""
     from tqexport.bench.report import with_deltas
 
-    configs = _bench_configs(kv_cache_dtype, boundary, skip_layers, recent_window)
+    configs = _bench_configs(kv_cache_dtype, boundary, skip_layers, recent_window, kv_scales)
     ours, peer_result, note = _quality(target, configs, text_file, chunk, chunks, peer)
     rows = with_deltas(ours, peer_result)
     if as_json:

@@ -32,6 +32,7 @@ class Config:
     boundary: bool = True
     skip_layers: tuple[str, ...] = ()
     recent_window: int = 0
+    kv_scales: str = "1.0"  # fp8/nvfp4 per-layer scales: a number, or "calibrate"
 
     @property
     def label(self) -> str:
@@ -42,6 +43,7 @@ class Config:
         )
         extra += [f"skip {','.join(self.skip_layers)}"] if self.skip_layers else []
         extra += [f"recent {self.recent_window}"] if self.recent_window else []
+        extra += [f"scales {self.kv_scales}"] if self.kv_scales != "1.0" else []
         return " ".join([self.kv_cache_dtype, *extra])
 
 
@@ -147,8 +149,9 @@ def evaluate(
         if c.kv_cache_dtype == "auto" and not c.skip_layers:
             continue  # the baseline itself
         opts = BuildOptions(
-            c.kv_cache_dtype, list(c.skip_layers), c.boundary, recent_window=c.recent_window
-        )
+            c.kv_cache_dtype, list(c.skip_layers), c.boundary, recent_window=c.recent_window,
+            kv_scales=c.kv_scales,
+        )  # fmt: skip
         spec, _ = resolve_spec(model_name, lm, opts)
         runs.append(Run(c, spec, _executor(spec, "torch", chunk, lm=lm), "torch"))
     for i, ids in enumerate(chunks):

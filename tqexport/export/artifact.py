@@ -66,7 +66,7 @@ def _check_out_dir(out_dir: Path, force: bool) -> None:
         raise TQExportError(f"parent directory {out_dir.parent} does not exist")
 
 
-def _parse_scales(value: str) -> float | None:
+def parse_kv_scales(value: str) -> float | None:
     if value == "calibrate":
         return None
     try:
@@ -123,7 +123,7 @@ def _save_tokenizer(lm: LoadedModel, target: Path) -> None:
 
 def check_options(model: str, options: BuildOptions):
     """Validate options and resolve from the config only: bad input fails before weights load."""
-    _parse_scales(options.kv_scales)
+    parse_kv_scales(options.kv_scales)
     if options.calibration_text is not None and not options.calibration_text.is_file():
         raise TQExportError(f"--calibration-text {options.calibration_text} is not a file")
     desc = describe_model(model, options.dtype)
@@ -144,7 +144,7 @@ def resolve_spec(
     progress: Callable[[str], None] = lambda stage: None,
 ) -> tuple[ModelSpec, list[str]]:
     """The artifact's spec for a loaded model (kv scales calibrated when asked) and warnings."""
-    fixed_scale = _parse_scales(options.kv_scales)
+    fixed_scale = parse_kv_scales(options.kv_scales)
     kw = dict(
         boundary=options.boundary,
         block_size=options.block_size,
