@@ -209,7 +209,10 @@ def markdown(results: dict) -> str:
             f"empty cache: {c['chunks'] * (c['chunk_tokens'] - 1)} predictions. Ours run through "
             "the executor's paged caches (every position's logits, attention reads the cache); "
             "KL is KL(baseline || run) per next-token distribution, averaged; top-1 is argmax "
-            "agreement with the same tool's own unquantized baseline.",
+            "agreement with the same tool's own unquantized baseline. Bits per element are all "
+            "in: every layer's K and V bytes per token (unquantized boundary layers counted at "
+            "16 bits, as deployed; the CPU runs themselves are fp32) plus a recent window's "
+            "16-bit bytes amortized over a 4096-token context, over the K and V elements.",
             "",
         ]
         if results.get("peer"):
