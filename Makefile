@@ -30,12 +30,21 @@ demo: install
 	$(BIN)/tqexport inspect $(DEMO_DIR) --kv-cache-memory 256MiB
 	$(BIN)/tqexport run $(DEMO_DIR) --prompt "What is the capital of France?" --max-tokens 48
 
-# The quality/speed report for smollm2 (installs the llama.cpp peer first: it compiles, ~9 min).
+# The quality/speed report for smollm2 in docs/report (installs the llama.cpp peer first: it
+# compiles, ~9 min). Four quality runs (same text and chunking), then speed + the report.
 REPORT_DIR := docs/report
+QUALITY := $(BIN)/tqexport bench quality smollm2 --chunks 8 --json
+VLLM_DTYPES := fp8,fp8_e5m2,int8_per_token_head,fp8_per_token_head,int4_per_token_head,nvfp4,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc
+TQ_DTYPES := turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,tqx_k4v4_g32,tqx_k4v3_g32
 
 bench: install
 	$(BIN)/python -m pip install --quiet -e '.[peers]'
-	$(BIN)/tqexport bench report smollm2 -o $(REPORT_DIR)
+	mkdir -p $(REPORT_DIR)
+	$(QUALITY) --kv-cache-dtype $(VLLM_DTYPES) > $(REPORT_DIR)/quality.json
+	$(QUALITY) --kv-cache-dtype tqx_k4v4_g32,tqx_k4v3_g32 --no-peer > $(REPORT_DIR)/quality_native.json
+	$(QUALITY) --kv-cache-dtype $(TQ_DTYPES) --recent-window 32,128 --no-peer > $(REPORT_DIR)/quality_recent.json
+	$(QUALITY) --kv-cache-dtype fp8,fp8_e5m2,nvfp4 --kv-scales calibrate --no-peer > $(REPORT_DIR)/quality_calibrated.json
+	$(BIN)/tqexport bench report smollm2 -o $(REPORT_DIR) $(foreach f,quality quality_native quality_recent quality_calibrated,--quality-json $(REPORT_DIR)/$(f).json)
 	$(BIN)/python benchmarks/codec_throughput.py
 
 lint: install
