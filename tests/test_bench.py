@@ -242,3 +242,13 @@ def test_bench_bad_input_is_one_line_exit_2(args, message):
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_memory_goal_ignores_recent_window_rows():
+    speed = {"memory": [
+        {"label": "auto", "resident_vs_auto": 1.0, "bytes_ratio_auto_over_this": 1.0},
+        {"label": "fp8", "resident_vs_auto": 4.004, "bytes_ratio_auto_over_this": 4.0},
+        {"label": "fp8 recent 32", "resident_vs_auto": 2.4, "bytes_ratio_auto_over_this": 4.0},
+    ]}  # fmt: skip
+    goal = report.goals([], speed)[-1]
+    assert goal["met"] is True and goal["detail"].startswith("largest relative gap 0.10%")
