@@ -6,6 +6,8 @@ from helpers import describe, gemma_like
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tqexport.errors import TQExportError
+from tqexport.kvquant.codecs import make_codec
 from tqexport.kvquant.modes import KVQuantMode, kv_cache_dtype_names
 from tqexport.resolve import resolve
 from tqexport.spec import (
@@ -122,11 +124,7 @@ def model_specs(draw):
     n = draw(st.integers(1, 8))
     windows = draw(st.lists(st.one_of(st.none(), st.integers(1, 4096)), min_size=n, max_size=n))
     head = draw(_HEADS)
-    names = [
-        x
-        for x in kv_cache_dtype_names()
-        if head == 64 or not x.startswith("turboquant_") or x == "turboquant_k8v4"
-    ]
+    names = [x for x in kv_cache_dtype_names() if _stores(x, head)]
     dtype = draw(st.sampled_from(names))
     skips = draw(
         st.lists(st.sampled_from(["0", "-1", "sw", "full", f"0-{n - 1}", "boundary:1"]), max_size=2)
@@ -149,7 +147,17 @@ def model_specs(draw):
         boundary=draw(st.booleans()),
         block_size=draw(st.sampled_from([1, 16, 32])),
         kv_scales=scales,
+        recent_window=draw(st.sampled_from([0, 0, 8, 32])),
     ).spec
+
+
+def _stores(name: str, head: int) -> bool:
+    """Whether this kv dtype can store heads of this size (e.g. Hadamard needs a power of 2)."""
+    try:
+        make_codec(name, head)
+    except TQExportError:
+        return False
+    return True
 
 
 @settings(max_examples=80, deadline=None)
