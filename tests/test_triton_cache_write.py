@@ -49,7 +49,7 @@ def test_interpreted_kernel_writes_reference_bytes(tmp_path, name, d):
     res = torch.load(out)
     codec = make_codec(name, d, model_dtype="float32")
     for ref, mine in zip(res["ref"], res["mine"]):
-        if not name.startswith("turboquant_") or codec.preset.key_fp8:
+        if getattr(codec, "preset", None) is None or codec.preset.key_fp8:
             assert torch.equal(ref, mine)
             continue
         # REFERENCE rule: a key code may differ only where its float64 input is within 1e-5 of
