@@ -112,7 +112,7 @@ def paged_attention(
 
     keys, values, key_pos, valid = _gather(codec, cache, block_tables, seq_lens)
     if recent_window:
-        plain = make_codec("auto", q.shape[-1], model_dtype=_dtype_name(recent_cache[0].dtype))
+        plain = make_codec("auto", q.shape[-1], model_dtype=_DTYPE_NAMES[recent_cache[0].dtype])
         r_keys, r_values, r_pos, r_valid = _gather(
             plain, recent_cache, recent_block_tables, seq_lens
         )
@@ -146,5 +146,4 @@ def paged_attention(
     return out.reshape(tokens, kv_heads * groups, head_size).to(q.dtype)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return next(name for name, dt in MODEL_DTYPES.items() if dt == dtype)
+_DTYPE_NAMES = {dt: name for name, dt in MODEL_DTYPES.items()}
