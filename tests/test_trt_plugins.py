@@ -17,7 +17,14 @@ from tqexport.kvquant import turboquant as tq
 from tqexport.kvquant.codecs import make_codec
 from tqexport.ops.attributes import CACHE_WRITE, PAGED_ATTENTION, node_attrs
 from trt_plugins import contract
-from trt_plugins.ptx import HIDDEN_PARAMS, ContractError, check_contract, compile_plan
+from trt_plugins.ptx import (
+    HIDDEN_PARAMS,
+    ContractError,
+    check_contract,
+    compile_plan,
+    entry_params,
+    params_read,
+)
 
 NAMES = ["auto", "fp8", "fp8_e5m2", "turboquant_4bit_nc", "turboquant_k3v4_nc",
          "turboquant_3bit_nc", "turboquant_k8v4", "tqx_k4v4_g32", "tqx_k4v3_g32"]  # fmt: skip
@@ -34,28 +41,42 @@ def attrs(name, d=64, kvh=2, heads=4, dtype="float32", **kw):
 
 def plans(name, **kw):
     a = attrs(name, **kw)
-    n = contract.num_cache_tensors(a)
-    return (contract.launch_plan(contract.plugin_name(CACHE_WRITE, n), a),
-            contract.launch_plan(contract.plugin_name(PAGED_ATTENTION, n), a))  # fmt: skip
+    return (contract.launch_plan(contract.plugin_for(CACHE_WRITE, a), a),
+            contract.launch_plan(contract.plugin_for(PAGED_ATTENTION, a), a))  # fmt: skip
 
 
-def test_declared_attributes_are_exactly_what_the_nodes_carry(artifacts):
+@pytest.mark.parametrize("recent", [0, 8])
+def test_declared_attributes_are_exactly_what_the_nodes_carry(artifacts, recent):
     from tqexport.runtime.artifact import open_artifact
 
-    spec = open_artifact(artifacts("tiny-llama", "turboquant_4bit_nc", ["0"])).spec
-    for op in (CACHE_WRITE, PAGED_ATTENTION):
-        carried = node_attrs(op, spec.layers[1], 4)
+    kw = {"recent_window": recent} if recent else {}
+    spec = open_artifact(artifacts("tiny-llama", "turboquant_4bit_nc", ["0"], **kw)).spec
+    layer = spec.layers[1]
+    nodes = [(CACHE_WRITE, False), (PAGED_ATTENTION, False)] + [(CACHE_WRITE, True)] * bool(recent)
+    for op, into_recent in nodes:
+        carried = node_attrs(op, layer, 4, recent=into_recent)
         assert carried.pop("plugin_namespace") == contract.NAMESPACE == "tqexport"
-        assert list(contract.ATTRS[op]) == sorted(contract.ATTRS[op], key=list(carried).index)
-        assert {k: type(v) for k, v in carried.items()} == contract.ATTRS[op]
+        declared = contract.attrs_of(contract.plugin_for(op, carried))
+        assert list(declared) == sorted(declared, key=list(carried).index)
+        assert {k: type(v) for k, v in carried.items()} == declared
+    assert contract.plugin_for(PAGED_ATTENTION, node_attrs(PAGED_ATTENTION, layer, 4)) == (
+        "PagedAttentionSlotRecent" if recent else "PagedAttentionSlot")  # fmt: skip
+    if recent:  # the write into the recent cache is a plain model-dtype write
+        assert contract.plugin_for(CACHE_WRITE, node_attrs(CACHE_WRITE, layer, 4, True)) == (
+            "CacheWriteKV")  # fmt: skip
 
 
-def test_one_plugin_per_op_and_cache_arity():
+def test_one_plugin_per_op_cache_arity_and_recent_window():
     assert contract.PLUGINS == {
-        "CacheWriteSlot": ("CacheWrite", 1), "CacheWriteKV": ("CacheWrite", 2),
-        "PagedAttentionSlot": ("PagedAttention", 1), "PagedAttentionKV": ("PagedAttention", 2),
+        "CacheWriteSlot": ("CacheWrite", 1, False), "CacheWriteKV": ("CacheWrite", 2, False),
+        "PagedAttentionSlot": ("PagedAttention", 1, False),
+        "PagedAttentionKV": ("PagedAttention", 2, False),
+        "PagedAttentionSlotRecent": ("PagedAttention", 1, True),
+        "PagedAttentionKVRecent": ("PagedAttention", 2, True),
     }  # fmt: skip
     assert [contract.num_cache_tensors(attrs(n)) for n in NAMES] == [2, 2, 2, 1, 1, 1, 1, 1, 1]
+    assert list(contract.attrs_of("PagedAttentionKVRecent"))[-3:] == [
+        "recent_window", "variant", "layer"]  # fmt: skip
 
 
 def test_argument_order_is_inputs_then_int32_scalars_then_outputs():
@@ -72,6 +93,16 @@ def test_argument_order_is_inputs_then_int32_scalars_then_outputs():
     assert a2.scalars == ("num_seqs", "max_blocks") and a2.outputs == ("out",)
     assert (w1.aliases, w2.aliases, a2.aliases) == ({0: 0}, {0: 0, 1: 1}, {})
     assert a1.signature["num_seqs"] == a1.signature["max_blocks"] == "i32"
+    _, r1 = plans("turboquant_3bit_nc", recent_window=16)
+    _, r2 = plans("fp8", recent_window=16, dtype="float16")
+    assert r1.arg_names == ("q_ptr", "cache_ptr", "block_tables_ptr", "seq_lens_ptr", "qsl_ptr",
+                            "pos_ptr", "recent_k_ptr", "recent_v_ptr", "recent_tables_ptr",
+                            "num_seqs", "max_blocks", "max_recent_blocks", "out_ptr")  # fmt: skip
+    assert r2.inputs[-3:] == ("recent_k_cache", "recent_v_cache", "recent_block_tables")
+    assert r2.scalars == ("num_seqs", "max_blocks", "max_recent_blocks")
+    assert r2.signature["recent_k_ptr"] == "*fp16" and r2.constexprs["RECENT_WINDOW"] == 16
+    # without a window the recent parameters are constexpr None: absent from the launch
+    assert a1.constexprs["recent_k_ptr"] is None and a1.constexprs["RECENT_WINDOW"] == 0
 
 
 def test_grid_scalars_and_output_shapes_from_input_shapes():
@@ -84,6 +115,11 @@ def test_grid_scalars_and_output_shapes_from_input_shapes():
     assert a.grid(shapes) == (5, 2, 1)
     assert a.scalar_values(shapes) == (3, 7)
     assert contract.output_shapes(a.plugin, shapes) == [(5, 6, 64)]
+    _, r = plans("fp8", kvh=2, heads=6, recent_window=8)
+    recent = (6, 4, 2, 64)
+    shapes += [recent, recent, (3, 4)]
+    assert (r.grid(shapes), r.scalar_values(shapes)) == ((5, 2, 1), (3, 7, 4))
+    assert contract.output_shapes(r.plugin, shapes) == [(5, 6, 64)]
 
 
 class Sym:
@@ -130,6 +166,10 @@ def test_layers_without_a_kernel_are_refused_naming_the_dtype(name):
 def test_wrong_arity_and_engine_check_refuse_in_one_line():
     with pytest.raises(TQExportError, match="use CacheWriteKV"):
         contract.launch_plan("CacheWriteSlot", attrs("fp8"))
+    with pytest.raises(TQExportError, match="recent window 4.*use PagedAttentionKVRecent"):
+        contract.launch_plan("PagedAttentionKV", attrs("fp8", recent_window=4))
+    with pytest.raises(TQExportError, match="recent window 0.*use PagedAttentionSlot$"):
+        contract.launch_plan("PagedAttentionSlotRecent", attrs("turboquant_4bit_nc"))
     from tqexport.export.trt import check_layers
     from tqexport.models.config import describe_model
     from tqexport.resolve import resolve
@@ -157,19 +197,18 @@ def test_register_signature_is_inputs_then_attributes():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_variant_compiles_to_sm90_ptx_matching_the_launch(name):
-    for d in (64, 128):
-        for plan in plans(name, d=d, kvh=8, heads=32, dtype="float16", window=4, softcap=20.0):
-            kernel = compile_plan(plan)
-            assert ".target sm_90" in kernel.ptx and kernel.name == plan.kernel.__name__
-            assert kernel.block_x == 128 and kernel.global_scratch_size == 0
-            check_contract(plan, kernel)
-            # the .entry: the plan's args, then exactly two trailing scratch pointers
-            from trt_plugins.ptx import entry_params, params_read
-
-            _, params = entry_params(kernel.ptx)
-            assert HIDDEN_PARAMS == ("global_scratch", "profile_scratch")
-            assert len(params) == len(plan.arg_names) + 2
-            assert not params_read(kernel.ptx) & {n for _, n in params[-2:]}
+    kw = dict(kvh=8, heads=32, dtype="float16", window=4, softcap=20.0)
+    recent = plans(name, d=128, recent_window=32, **kw)[1]  # the recent-window attention
+    for plan in [*plans(name, d=64, **kw), *plans(name, d=128, **kw), recent]:
+        kernel = compile_plan(plan)
+        assert ".target sm_90" in kernel.ptx and kernel.name == plan.kernel.__name__
+        assert kernel.block_x == 128 and kernel.global_scratch_size == 0
+        check_contract(plan, kernel)
+        # the .entry: the plan's args, then exactly two trailing scratch pointers
+        _, params = entry_params(kernel.ptx)
+        assert HIDDEN_PARAMS == ("global_scratch", "profile_scratch")
+        assert len(params) == len(plan.arg_names) + 2
+        assert not params_read(kernel.ptx) & {n for _, n in params[-2:]}
 
 
 def test_contract_check_catches_a_wrong_order():
@@ -215,7 +254,21 @@ for name in sys.argv[2:]:
     ref = reference.paged_attention(codec, q, trt, *steps, scale=d**-0.5, softcap=20.0, window=3)
     (got,) = emulate.launch(contract.launch_plan(contract.plugin_name("PagedAttention", n), a),
                             [q, *trt, *steps])
-    results[name] = {"torch_entry": torch_entry, "trt": trt, "ref": ref, "got": got}
+    # recent window 2 (inside the sliding window 3): its model-dtype cache written through the
+    # CacheWriteKV plugin (as the recent CacheWrite node is), logical block 0 of seq 0 recycled
+    plain = dict(a, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0)
+    recent = [torch.zeros(8, 4, kvh, d) for _ in range(2)]
+    emulate.launch(contract.launch_plan(contract.plugin_for("CacheWrite", plain), plain),
+                   [*recent, k, v, slots])
+    rt = torch.tensor([[0, 2, 3], [5, 0, 0]], dtype=torch.int32)
+    ra = dict(a, recent_window=2)
+    rref = reference.paged_attention(codec, q, trt, *steps, scale=d**-0.5, softcap=20.0,
+                                     window=3, recent_cache=recent, recent_block_tables=rt,
+                                     recent_window=2)
+    (rgot,) = emulate.launch(contract.launch_plan(contract.plugin_for("PagedAttention", ra), ra),
+                             [q, *trt, *steps, *recent, rt])
+    results[name] = {"torch_entry": torch_entry, "trt": trt, "ref": ref, "got": got,
+                     "recent_ref": rref, "recent_got": rgot}
 torch.save(results, sys.argv[1])
 """
 
@@ -233,12 +286,17 @@ def test_trt_order_kernels_in_the_interpreter_match(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(x["trt"], x["torch_entry"])), name
         torch.testing.assert_close(x["got"], x["ref"], atol=1e-5, rtol=1e-3, msg=name)
         assert torch.equal(x["got"][4:], torch.zeros_like(x["got"][4:]))  # padding rows
+        torch.testing.assert_close(x["recent_got"], x["recent_ref"], atol=1e-5, rtol=1e-3,
+                                   msg=name)  # fmt: skip
+        assert torch.equal(x["recent_got"][4:], torch.zeros_like(x["got"][4:]))
+        if name != "auto":  # the window read model-dtype keys, not the quantized ones
+            assert (x["recent_ref"][:4] - x["ref"][:4]).abs().max() > 1e-4, name
 
 
 def test_engine_graph_uses_the_plugins_and_profile(artifacts):
     import onnx
 
-    from tqexport.export.trt import profile_shapes, use_plugins
+    from tqexport.export.trt import check_layers, profile_shapes, use_plugins
     from tqexport.runtime.artifact import open_artifact
 
     art = open_artifact(artifacts("tiny-llama", "turboquant_4bit_nc", ["0"]))
@@ -246,6 +304,14 @@ def test_engine_graph_uses_the_plugins_and_profile(artifacts):
     assert use_plugins(model) == {"CacheWriteKV": 1, "PagedAttentionKV": 1,
                                   "CacheWriteSlot": 5, "PagedAttentionSlot": 5}  # fmt: skip
     assert not any(n.domain == "tqexport" and n.overload for n in model.graph.node)
+    recent = open_artifact(artifacts("tiny-llama", "turboquant_4bit_nc", ["0"], recent_window=8))
+    model = onnx.load(str(recent.model_file), load_external_data=False)
+    assert use_plugins(model) == {"CacheWriteKV": 6, "PagedAttentionKV": 1,
+                                  "CacheWriteSlot": 5, "PagedAttentionSlotRecent": 5}  # fmt: skip
+    check_layers(recent.spec)  # a recent window is no longer refused
+    rshapes = profile_shapes(recent.spec, max_batch=8, max_tokens=256, max_blocks=100)
+    assert set(rshapes) == set(recent.spec.input_names)
+    assert rshapes["cache.1.recent_k"] == ((2, 16, 2, 64), (100, 16, 2, 64), (100, 16, 2, 64))
     shapes = profile_shapes(art.spec, max_batch=8, max_tokens=256, max_blocks=100)
     assert shapes["input_ids"] == ((1,), (8,), (256,))
     assert shapes["query_start_loc"] == ((2,), (9,), (9,))
@@ -388,7 +454,7 @@ def fake_trt(monkeypatch):
 
 def test_plugin_glue_binds_what_tensorrt_passes(fake_trt):
     api = fake_trt
-    assert len(api.defs) == 12
+    assert len(api.defs) == 18  # six plugins x (register, aot_impl, impl)
     a = attrs("turboquant_4bit_nc", kvh=2, heads=4)
     names = list(contract.PAGED_ATTENTION_ATTRS)
     reg = api.defs[("register", "tqexport::PagedAttentionSlot")]
@@ -413,3 +479,45 @@ def test_plugin_glue_binds_what_tensorrt_passes(fake_trt):
     assert outs == (("aliased", descs[0]), ("aliased", descs[1]))
     with pytest.raises(contract.UnsupportedLayerError, match="nvfp4"):
         reg(*descs, **{n: attrs("nvfp4")[n] for n in contract.CACHE_WRITE_ATTRS})
+    # a recent window: three more inputs, a third int32 scalar from the recent table's width
+    ra = attrs("fp8", recent_window=8)
+    ins = contract.inputs_of("PagedAttentionKVRecent")
+    descs = [api.TensorDesc([Sym(f"{n}{j}") for j in range(3)]) for n in ins]
+    aot = api.defs[("aot_impl", "tqexport::PagedAttentionKVRecent")]
+    vals = [ra[n] for n in contract.PAGED_ATTENTION_RECENT_ATTRS]
+    name, _, _, extra = aot(*descs, *vals, (api.TensorDesc(),), 0)
+    assert name == "trt_paged_attention_kernel"
+    assert [x.e.e for x in extra] == ["block_tables0", "block_tables1", "recent_block_tables1"]
+
+
+def test_jit_impl_runs_the_torch_ops_on_what_tensorrt_passes(fake_trt):
+    """The JIT ``impl``'s call of the torch ops (on CPU tensors here: the reference path)."""
+    import trt_plugins.plugins as glue
+    from tqexport.ops import reference
+
+    codec = make_codec("turboquant_4bit_nc", 64, model_dtype="float32")
+    plain = make_codec("auto", 64, model_dtype="float32")
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(12, 2, 64, generator=g), torch.randn(12, 2, 64, generator=g)
+    slots = torch.arange(12) + 4
+    cache, out = (
+        [torch.zeros(5, 4, 2, 70, dtype=torch.uint8)],
+        [torch.empty(5, 4, 2, 70, dtype=torch.uint8)],
+    )
+    glue._run_torch_op("CacheWriteSlot", attrs("turboquant_4bit_nc", k_scale=1.0, v_scale=1.0),
+                       [*cache, k, v, slots], out)  # fmt: skip
+    assert torch.equal(out[0], reference.write_cache(codec, cache, k, v, slots)[0])
+    recent = reference.write_cache(plain, [torch.zeros(5, 4, 2, 64) for _ in range(2)], k, v, slots)
+    steps = (torch.tensor([[1, 2, 3]], dtype=torch.int32), torch.tensor([12], dtype=torch.int32),
+             torch.tensor([0, 2], dtype=torch.int32), torch.tensor([10, 11]))  # fmt: skip
+    rt = torch.tensor([[0, 2, 3]], dtype=torch.int32)
+    a = attrs("turboquant_4bit_nc", k_scale=1.0, v_scale=1.0, recent_window=3)
+    q, got = torch.randn(2, 4, 64, generator=g), [torch.empty(2, 4, 64)]
+    glue._run_torch_op("PagedAttentionSlotRecent", a, [q, *out, *steps, *recent, rt], got)
+    want = reference.paged_attention(codec, q, out, *steps, scale=a["scale"], recent_cache=recent,
+                                     recent_block_tables=rt, recent_window=3)  # fmt: skip
+    assert torch.equal(got[0], want)
+    plain_out = [torch.empty(2, 4, 64)]
+    glue._run_torch_op("PagedAttentionSlot", a, [q, *out, *steps], plain_out)
+    assert torch.equal(plain_out[0], reference.paged_attention(codec, q, out, *steps,
+                                                               scale=a["scale"]))  # fmt: skip

@@ -33,35 +33,45 @@ PAGED_ATTENTION_ATTRS: dict[str, type] = {
     "num_heads": int, "scale": float, "softcap": float, "window": int,
     "variant": str, "layer": int,
 }  # fmt: skip
+#: A PagedAttention node of a layer with a recent window also carries ``recent_window``.
+PAGED_ATTENTION_RECENT_ATTRS: dict[str, type] = {
+    **{k: v for k, v in PAGED_ATTENTION_ATTRS.items() if k not in ("variant", "layer")},
+    "recent_window": int, "variant": str, "layer": int,
+}  # fmt: skip
 ATTRS = {CACHE_WRITE: CACHE_WRITE_ATTRS, PAGED_ATTENTION: PAGED_ATTENTION_ATTRS}
 
 # A QDP plugin has a fixed number of inputs and outputs, so each op has one plugin per cache
-# arity: "Slot" (TurboQuant: K and V packed in ONE uint8 tensor) and "KV" (two tensors).
+# arity: "Slot" (TurboQuant: K and V packed in ONE uint8 tensor) and "KV" (two tensors); a layer
+# with a recent window attends through a "...Recent" plugin taking its recent cache and table
+# as three more inputs (its recent cache is written by a plain CacheWriteKV node).
+_STEPS = ("block_tables", "seq_lens", "query_start_loc", "positions")
+_RECENT = ("recent_k_cache", "recent_v_cache", "recent_block_tables")
 _INPUTS = {
-    ("CacheWrite", 1): ("cache", "k", "v", "slot_mapping"),
-    ("CacheWrite", 2): ("k_cache", "v_cache", "k", "v", "slot_mapping"),
-    ("PagedAttention", 1): ("q", "cache", "block_tables", "seq_lens", "query_start_loc",
-                            "positions"),
-    ("PagedAttention", 2): ("q", "k_cache", "v_cache", "block_tables", "seq_lens",
-                            "query_start_loc", "positions"),
-}  # fmt: skip
-_OUTPUTS = {
-    ("CacheWrite", 1): ("cache_out",),
-    ("CacheWrite", 2): ("k_cache_out", "v_cache_out"),
-    ("PagedAttention", 1): ("out",),
-    ("PagedAttention", 2): ("out",),
+    ("CacheWrite", 1, False): ("cache", "k", "v", "slot_mapping"),
+    ("CacheWrite", 2, False): ("k_cache", "v_cache", "k", "v", "slot_mapping"),
+    ("PagedAttention", 1, False): ("q", "cache", *_STEPS),
+    ("PagedAttention", 2, False): ("q", "k_cache", "v_cache", *_STEPS),
+    ("PagedAttention", 1, True): ("q", "cache", *_STEPS, *_RECENT),
+    ("PagedAttention", 2, True): ("q", "k_cache", "v_cache", *_STEPS, *_RECENT),
 }
+_OUTPUTS = {"CacheWrite": {1: ("cache_out",), 2: ("k_cache_out", "v_cache_out")},
+            "PagedAttention": {1: ("out",), 2: ("out",)}}  # fmt: skip
 _SUFFIX = {1: "Slot", 2: "KV"}
-PLUGINS = {f"{op}{_SUFFIX[n]}": (op, n) for op, n in _INPUTS}
+#: int32 scalars after the inputs: the block tables' dims (input name, dim).
+_SCALAR_DIMS = {"num_seqs": ("block_tables", 0), "max_blocks": ("block_tables", 1),
+                "max_recent_blocks": ("recent_block_tables", 1)}  # fmt: skip
+
+
+def plugin_name(op: str, num_cache_tensors: int, recent: bool = False) -> str:
+    """Registered plugin name (without namespace) for an op, its cache arity, recent window."""
+    return f"{op}{_SUFFIX[num_cache_tensors]}{'Recent' if recent else ''}"
+
+
+PLUGINS = {plugin_name(*key): key for key in _INPUTS}
 
 
 class UnsupportedLayerError(TQExportError):
     """A layer's kv-cache dtype has no Triton kernel, hence no TensorRT plugin."""
-
-
-def plugin_name(op: str, num_cache_tensors: int) -> str:
-    """Registered plugin name (without namespace) for an op and its cache arity."""
-    return f"{op}{_SUFFIX[num_cache_tensors]}"
 
 
 def inputs_of(plugin: str) -> tuple[str, ...]:
@@ -69,11 +79,13 @@ def inputs_of(plugin: str) -> tuple[str, ...]:
 
 
 def outputs_of(plugin: str) -> tuple[str, ...]:
-    return _OUTPUTS[PLUGINS[plugin]]
+    op, arity, _ = PLUGINS[plugin]
+    return _OUTPUTS[op][arity]
 
 
 def attrs_of(plugin: str) -> dict[str, type]:
-    return ATTRS[PLUGINS[plugin][0]]
+    op, _, recent = PLUGINS[plugin]
+    return PAGED_ATTENTION_RECENT_ATTRS if recent else ATTRS[op]
 
 
 def codec_of(attrs: dict) -> Codec:
@@ -92,6 +104,12 @@ def codec_of(attrs: dict) -> Codec:
 
 def num_cache_tensors(attrs: dict) -> int:
     return len(codec_of(attrs).tensors)
+
+
+def plugin_for(op: str, attrs: dict) -> str:
+    """The plugin a node of ``op`` with these attributes runs as."""
+    recent = op == PAGED_ATTENTION and bool(attrs.get("recent_window"))
+    return plugin_name(op, num_cache_tensors(attrs), recent)
 
 
 @dataclass(frozen=True)
@@ -126,19 +144,21 @@ class LaunchPlan:
         return (tokens, c["KVH"], 1)
 
     def scalar_values(self, shapes: Sequence[Sequence]) -> tuple:
-        """The int32 scalars: ``num_seqs`` and ``max_blocks`` are the block table's dims."""
-        table = shapes[self.inputs.index("block_tables")] if self.scalars else None
-        return tuple(table[("num_seqs", "max_blocks").index(n)] for n in self.scalars)
+        """The int32 scalars, each a block table's dim (``max_recent_blocks``: the recent one)."""
+        dims = [_SCALAR_DIMS[n] for n in self.scalars]
+        return tuple(shapes[self.inputs.index(table)][dim] for table, dim in dims)
 
 
 def launch_plan(plugin: str, attrs: dict) -> LaunchPlan:
     """The launch plan of ``plugin`` for a node with these attributes."""
-    op, arity = PLUGINS[plugin]
+    op, _, recent = PLUGINS[plugin]
     codec = codec_of(attrs)
-    if len(codec.tensors) != arity:
+    want = plugin_for(op, attrs)
+    if want != plugin:
         raise TQExportError(
-            f"{plugin} takes {arity} cache tensor(s) but {attrs['kv_cache_dtype']} has "
-            f"{len(codec.tensors)}; use {plugin_name(op, len(codec.tensors))}"
+            f"layer {attrs.get('layer', '?')}: {plugin} does not fit a node with "
+            f"{attrs['kv_cache_dtype']} ({len(codec.tensors)} cache tensor(s), recent window "
+            f"{attrs.get('recent_window', 0)}); use {want}"
         )
     heads, dtype = int(attrs["num_kv_heads"]), attrs["model_dtype"]
     if op == CACHE_WRITE:
@@ -148,9 +168,10 @@ def launch_plan(plugin: str, attrs: dict) -> LaunchPlan:
         fn, sig, consts = triton_attention.trt_kernel_variant(
             codec, int(attrs["num_heads"]), heads, int(attrs["block_size"]), dtype,
             scale=float(attrs["scale"]), softcap=float(attrs["softcap"]),
-            window=int(attrs["window"]),
+            window=int(attrs["window"]), recent_window=int(attrs.get("recent_window", 0)),
         )  # fmt: skip
-        scalars, options = ("num_seqs", "max_blocks"), {}
+        scalars = ("num_seqs", "max_blocks") + (("max_recent_blocks",) if recent else ())
+        options = {}
     return LaunchPlan(plugin, fn, sig, consts, inputs_of(plugin), scalars, outputs_of(plugin),
                       options)  # fmt: skip
 

@@ -1,8 +1,9 @@
 """Launch a plan's TensorRT-order kernel from torch exactly as the AOT plugin would.
 
 Arguments are the node's input tensors, the int32 scalars and the output tensors, in that
-order, on the plan's grid; an aliased output is passed as its input's own tensor. This runs
-the TensorRT entry points in Triton's interpreter (CPU tests) or on a GPU without TensorRT.
+order (bound by name: parameters a plan fixes as constexpr may sit between them), on the
+plan's grid; an aliased output is passed as its input's own tensor. This runs the TensorRT
+entry points in Triton's interpreter (CPU tests) or on a GPU without TensorRT.
 """
 
 from __future__ import annotations
@@ -24,6 +25,6 @@ def launch(plan: LaunchPlan, inputs: Sequence[torch.Tensor]) -> list[torch.Tenso
             outs.append(inputs[plan.aliases[i]])
         else:
             outs.append(torch.empty(shape, dtype=inputs[0].dtype, device=inputs[0].device))
-    args = [*inputs, *plan.scalar_values(shapes), *outs]
-    plan.kernel[plan.grid(shapes)](*args, **plan.constexprs, **plan.options)
+    args = dict(zip(plan.arg_names, [*inputs, *plan.scalar_values(shapes), *outs], strict=True))
+    plan.kernel[plan.grid(shapes)](**args, **plan.constexprs, **plan.options)
     return outs

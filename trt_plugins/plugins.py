@@ -101,7 +101,7 @@ def _run_torch_op(plugin: str, attrs: dict, ins: list, outs: list) -> None:
     import torch
 
     scales = (attrs["kv_cache_dtype"], attrs["model_dtype"], attrs["k_scale"], attrs["v_scale"])
-    n = len(contract.outputs_of(plugin)) if plugin.startswith("Cache") else len(ins) - 5
+    _, n, recent = contract.PLUGINS[plugin]
     if plugin.startswith("Cache"):
         caches = outs  # aliased: the same memory as the cache inputs
         if any(o.data_ptr() != i.data_ptr() for o, i in zip(outs, ins, strict=False)):
@@ -110,9 +110,10 @@ def _run_torch_op(plugin: str, attrs: dict, ins: list, outs: list) -> None:
         k, v, slots = ins[n:]
         torch.ops.tqexport.cache_write(caches, k, v, slots, *scales)
         return
-    q, caches, rest = ins[0], ins[1 : 1 + n], ins[1 + n :]
+    q, caches, steps, extra = ins[0], ins[1 : 1 + n], ins[1 + n : 5 + n], ins[5 + n :]
+    window = (extra[:2], extra[2], attrs["recent_window"]) if recent else ([], None, 0)
     out = torch.ops.tqexport.paged_attention(
-        q, caches, *rest, *scales, attrs["scale"], attrs["softcap"], attrs["window"], [], None, 0
+        q, caches, *steps, *scales, attrs["scale"], attrs["softcap"], attrs["window"], *window
     )
     outs[0].copy_(out)
 

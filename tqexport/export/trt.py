@@ -51,11 +51,6 @@ def check_layers(spec: ModelSpec) -> None:
 
     for layer in spec.layers:
         codec_of({**cache_write_attrs(layer), "layer": layer.index})
-        if layer.recent_window:
-            raise TQExportError(
-                f"layer {layer.index}: the TensorRT plugins do not read a recent window yet; "
-                "rebuild the artifact without --kv-recent-window for TensorRT"
-            )
 
 
 def node_attributes(node: onnx.NodeProto) -> dict:
@@ -68,13 +63,13 @@ def use_plugins(model: onnx.ModelProto) -> dict[str, int]:
 
     The renamed op has no model-local function, so TensorRT can only resolve it to the plugin.
     """
-    from trt_plugins.contract import num_cache_tensors, plugin_name
+    from trt_plugins.contract import plugin_for
 
     counts: dict[str, int] = {}
     for node in model.graph.node:
         if node.domain != DOMAIN:
             continue
-        name = plugin_name(node.op_type, num_cache_tensors(node_attributes(node)))
+        name = plugin_for(node.op_type, node_attributes(node))
         node.op_type = name
         node.overload = ""
         counts[name] = counts.get(name, 0) + 1
@@ -99,6 +94,7 @@ def profile_shapes(
         "num_seqs_plus_1": (2, max_batch + 1, max_batch + 1),
         "L": (0, max_batch, max_tokens),
         "num_blocks": (2, max_blocks, max_blocks),
+        "num_recent_blocks": (2, max_blocks, max_blocks),
     }
     for g in spec.groups:
         dims[f"max_blocks_{g.id}"] = (1, max_blocks - 1, max_blocks - 1)

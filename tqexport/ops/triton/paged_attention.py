@@ -202,6 +202,16 @@ def _attend(
 
 
 @triton.jit
+def _merge_states(acc, m, l_sum, acc2, m2, l2):
+    """Two online-softmax states (acc [G, D], max [G], sum [G]) over disjoint keys, as one."""
+    big = tl.maximum(m, m2)
+    big_safe = tl.where(big == float("-inf"), 0.0, big)
+    a1 = tl.where(m == float("-inf"), 0.0, tl.exp(m - big_safe))
+    a2 = tl.where(m2 == float("-inf"), 0.0, tl.exp(m2 - big_safe))
+    return acc * a1[:, None] + acc2 * a2[:, None], big, l_sum * a1 + l2 * a2
+
+
+@triton.jit
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, pos_ptr,
     rot_ptr, cent_ptr, fp8_ptr, rk_ptr, rv_ptr, recent_tables_ptr, partial_ptr,
@@ -231,13 +241,7 @@ def paged_attention_kernel(
             sm_scale, softcap, window, H, KVH, GROUPS, G, D, BS, 0, NSPLIT, 1, KEY_BITS,
             VAL_BITS, False, False, 0, 0, 0, 0, False, False, 0.0, None, recent_window, 2, 1,
         )  # fmt: skip
-        big = tl.maximum(m, m2)
-        big_safe = tl.where(big == float("-inf"), 0.0, big)
-        a1 = tl.where(m == float("-inf"), 0.0, tl.exp(m - big_safe))
-        a2 = tl.where(m2 == float("-inf"), 0.0, tl.exp(m2 - big_safe))
-        acc = acc * a1[:, None] + acc2 * a2[:, None]
-        l_sum = l_sum * a1 + l2 * a2
-        m = big
+        acc, m, l_sum = _merge_states(acc, m, l_sum, acc2, m2, l2)
     gi = tl.arange(0, G)
     d = tl.arange(0, D)
     gmask = gi < GROUPS
@@ -250,7 +254,8 @@ def paged_attention_kernel(
 
 @triton.jit
 def _attend_to_output(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, qsl_ptr, pos_ptr, num_seqs, max_blocks, out_ptr,
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, qsl_ptr, pos_ptr, rk_ptr, rv_ptr, recent_tables_ptr,
+    num_seqs, max_blocks, max_recent_blocks, out_ptr,
     H: tl.constexpr, KVH: tl.constexpr, GROUPS: tl.constexpr, G: tl.constexpr,
     D: tl.constexpr, BS: tl.constexpr, MODE: tl.constexpr,
     SLOT: tl.constexpr, KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
@@ -258,17 +263,27 @@ def _attend_to_output(
     SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr, E5M2: tl.constexpr,
     K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
-    NG: tl.constexpr,
+    NG: tl.constexpr, RECENT_WINDOW: tl.constexpr,
 ):  # fmt: skip
-    """One split, tables in-kernel, acc / sum written to ``out`` in its dtype (no merge pass)."""
+    """One split, tables in-kernel, acc / sum written to ``out`` in its dtype (no merge pass);
+    with RECENT_WINDOW, keys inside the window come from the model-dtype recent cache."""
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     acc, m, l_sum = _attend(
         t, kvh, 0, q_ptr, k_ptr, v_ptr, block_tables_ptr, qsl_ptr, pos_ptr,
         q_ptr, q_ptr, q_ptr, num_seqs, max_blocks, K_SCALE, V_SCALE, SM_SCALE, SOFTCAP,
         WINDOW, H, KVH, GROUPS, G, D, BS, MODE, 1, SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NC,
-        NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, True, E5M2, INV_SQRT, CENT, 0, 0, NG,
+        NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, True, E5M2, INV_SQRT, CENT, RECENT_WINDOW,
+        1 if RECENT_WINDOW > 0 else 0, NG,
     )  # fmt: skip
+    if RECENT_WINDOW > 0:
+        acc2, m2, l2 = _attend(
+            t, kvh, 0, q_ptr, rk_ptr, rv_ptr, recent_tables_ptr, qsl_ptr, pos_ptr,
+            q_ptr, q_ptr, q_ptr, num_seqs, max_recent_blocks, 1.0, 1.0, SM_SCALE, SOFTCAP,
+            WINDOW, H, KVH, GROUPS, G, D, BS, 0, 1, 1, KEY_BITS, VAL_BITS, False, False,
+            0, 0, 0, 0, True, False, 0.0, None, RECENT_WINDOW, 2, 1,
+        )  # fmt: skip
+        acc, m, l_sum = _merge_states(acc, m, l_sum, acc2, m2, l2)
     gi = tl.arange(0, G)
     d = tl.arange(0, D)
     gmask = gi < GROUPS
@@ -278,10 +293,14 @@ def _attend_to_output(
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
+# The TensorRT entry points: parameters in the plugin's order (node inputs, int32 scalars,
+# output). Without a recent window the four recent parameters are constexpr None, so they are
+# absent from the compiled kernel's parameter list.
 @triton.jit
 def trt_paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, pos_ptr,
-    num_seqs, max_blocks, out_ptr,
+    recent_k_ptr, recent_v_ptr, recent_tables_ptr, num_seqs, max_blocks, max_recent_blocks,
+    out_ptr,
     H: tl.constexpr, KVH: tl.constexpr, GROUPS: tl.constexpr, G: tl.constexpr,
     D: tl.constexpr, BS: tl.constexpr, MODE: tl.constexpr,
     SLOT: tl.constexpr, KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
@@ -289,21 +308,23 @@ def trt_paged_attention_kernel(
     SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr, E5M2: tl.constexpr,
     K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
-    NG: tl.constexpr,
+    NG: tl.constexpr, RECENT_WINDOW: tl.constexpr,
 ):  # fmt: skip
     """TensorRT order for separate K and V caches (fp8 bytes or the model dtype)."""
     _attend_to_output(
-        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, qsl_ptr, pos_ptr, num_seqs,
-        max_blocks, out_ptr, H, KVH, GROUPS, G, D, BS, MODE, SLOT, KEY_BITS, VAL_BITS, KEY_FP8,
-        NC, NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, E5M2, K_SCALE, V_SCALE, SM_SCALE, SOFTCAP,
-        WINDOW, INV_SQRT, CENT, NG,
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, qsl_ptr, pos_ptr, recent_k_ptr,
+        recent_v_ptr, recent_tables_ptr, num_seqs, max_blocks, max_recent_blocks, out_ptr, H,
+        KVH, GROUPS, G, D, BS, MODE, SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NC, NORM_OFF, VAL_OFF,
+        SCALE_OFF, ZERO_OFF, E5M2, K_SCALE, V_SCALE, SM_SCALE, SOFTCAP, WINDOW, INV_SQRT, CENT,
+        NG, RECENT_WINDOW,
     )  # fmt: skip
 
 
 @triton.jit
 def trt_paged_attention_tq_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, pos_ptr,
-    num_seqs, max_blocks, out_ptr,
+    recent_k_ptr, recent_v_ptr, recent_tables_ptr, num_seqs, max_blocks, max_recent_blocks,
+    out_ptr,
     H: tl.constexpr, KVH: tl.constexpr, GROUPS: tl.constexpr, G: tl.constexpr,
     D: tl.constexpr, BS: tl.constexpr, MODE: tl.constexpr,
     SLOT: tl.constexpr, KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
@@ -311,14 +332,15 @@ def trt_paged_attention_tq_kernel(
     SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr, E5M2: tl.constexpr,
     K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
-    NG: tl.constexpr,
+    NG: tl.constexpr, RECENT_WINDOW: tl.constexpr,
 ):  # fmt: skip
     """TensorRT order for a TurboQuant layer: K and V packed in ONE slot tensor."""
     _attend_to_output(
-        q_ptr, cache_ptr, cache_ptr, block_tables_ptr, qsl_ptr, pos_ptr, num_seqs, max_blocks,
-        out_ptr, H, KVH, GROUPS, G, D, BS, MODE, SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NC, NORM_OFF,
-        VAL_OFF, SCALE_OFF, ZERO_OFF, E5M2, K_SCALE, V_SCALE, SM_SCALE, SOFTCAP, WINDOW,
-        INV_SQRT, CENT, NG,
+        q_ptr, cache_ptr, cache_ptr, block_tables_ptr, qsl_ptr, pos_ptr, recent_k_ptr,
+        recent_v_ptr, recent_tables_ptr, num_seqs, max_blocks, max_recent_blocks, out_ptr, H,
+        KVH, GROUPS, G, D, BS, MODE, SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NC, NORM_OFF, VAL_OFF,
+        SCALE_OFF, ZERO_OFF, E5M2, K_SCALE, V_SCALE, SM_SCALE, SOFTCAP, WINDOW, INV_SQRT, CENT,
+        NG, RECENT_WINDOW,
     )  # fmt: skip
 
 
@@ -445,7 +467,7 @@ def paged_attention(
 
 def trt_kernel_variant(
     codec: Codec, heads: int, kv_heads: int, block_size: int, model_dtype: str,
-    *, scale: float, softcap: float, window: int,
+    *, scale: float, softcap: float, window: int, recent_window: int = 0,
 ):  # fmt: skip
     """(kernel, signature, constexprs) of the TensorRT-order entry point for one layer."""
     x = "*" + TRITON_TYPES[model_dtype]
@@ -454,9 +476,17 @@ def trt_kernel_variant(
     consts = dict(H=heads, KVH=kv_heads, GROUPS=groups, G=triton.next_power_of_2(groups),
                   D=codec.head_size, BS=block_size, **layout, E5M2=False, K_SCALE=1.0,
                   V_SCALE=1.0, SM_SCALE=_fp32(scale), SOFTCAP=_fp32(softcap or 0.0),
-                  WINDOW=int(window or 0), INV_SQRT=0.0, CENT=None)  # fmt: skip
+                  WINDOW=int(window or 0), INV_SQRT=0.0, CENT=None,
+                  RECENT_WINDOW=int(recent_window))  # fmt: skip
+    recent = {"recent_k_ptr": x, "recent_v_ptr": x, "recent_tables_ptr": "*i32",
+              "max_recent_blocks": "i32"}  # fmt: skip
+    if not recent_window:
+        consts.update(dict.fromkeys(recent))
+        recent = dict.fromkeys(recent, "constexpr")
     steps = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
-             "pos_ptr": "*i64", "num_seqs": "i32", "max_blocks": "i32", "out_ptr": x}  # fmt: skip
+             "pos_ptr": "*i64", **{k: v for k, v in recent.items() if k.endswith("_ptr")},
+             "num_seqs": "i32", "max_blocks": "i32", "max_recent_blocks":
+             recent["max_recent_blocks"], "out_ptr": x}  # fmt: skip
     if isinstance(codec, TurboQuantCodec):
         inline = turboquant_inline_tables(codec)
         cents = () if codec.preset.key_fp8 else tq_centroids(codec)
@@ -470,7 +500,7 @@ def trt_kernel_variant(
                           K_SCALE=_fp32(codec.k_scale), V_SCALE=_fp32(codec.v_scale))  # fmt: skip
         sig = {"q_ptr": x, "k_cache_ptr": cache_t, "v_cache_ptr": cache_t, **steps}
         kernel = trt_paged_attention_kernel
-    return kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts
+    return kernel, {**sig, **{k: "constexpr" for k in consts if k not in sig}}, consts
 
 
 def tq_centroids(codec: TurboQuantCodec) -> tuple[float, ...]:
