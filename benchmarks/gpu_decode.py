@@ -6,6 +6,8 @@ is timed with CUDA events, L2 flushed (a 256 MiB write) before every timing. Pri
 kernel time, bytes the kernel must read (cache slots of the visible context + queries), GB/s,
 fraction of the device's peak (``--peak-tbs``, H200 4.8), and time ratios against the
 unquantized fp16 kernel and against torch SDPA on a contiguous fp16 cache, in the same run.
+A mode ``<dtype>+recent<N>`` also keeps the last N tokens in an fp16 recent cache paged by its
+own table (older logical blocks recycled to the null block), as the recent window does.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from tqexport.kvquant.codecs import make_codec, torch_dtype
 from tqexport.ops.triton.cache_write import write_cache_
 from tqexport.ops.triton.paged_attention import paged_attention
 
-MODES = ["float16", "fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_3bit_nc"]
+MODES = [
+    "float16",
+    "fp8",
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_3bit_nc",
+    "turboquant_4bit_nc+recent32",
+]
 HEADS, KV_HEADS, D, BS = 32, 8, 128, 16
 
 
@@ -36,25 +45,38 @@ def timed(fn, flush, repeats=5):
     return min(times)
 
 
-def setup(mode, context, batch):
+def setup(mode, context, batch, device="cuda"):
+    """(codec, cache, paged_attention args and kwargs, bytes the kernel must read)."""
+    mode, _, recent = mode.partition("+recent")
+    window = int(recent or 0)
     codec = make_codec(mode, D, model_dtype="float16")
     per_seq = -(-context // BS)
     blocks = 1 + batch * per_seq
     cache = [
         torch.zeros((blocks, BS, KV_HEADS) + ((t.width,) if t.width else ()),
-                    dtype=torch_dtype(t.dtype), device="cuda")
+                    dtype=torch_dtype(t.dtype), device=device)
         for t in codec.tensors
     ]  # fmt: skip
-    slots = torch.arange(BS, BS + batch * per_seq * BS, device="cuda")
-    kv = torch.randn(len(slots), KV_HEADS, D, device="cuda", dtype=torch.float16)
+    slots = torch.arange(BS, BS + batch * per_seq * BS, device=device)
+    kv = torch.randn(len(slots), KV_HEADS, D, device=device, dtype=torch.float16)
     write_cache_(codec, cache, kv, kv, slots)
-    tables = torch.arange(1, blocks, dtype=torch.int32, device="cuda").reshape(batch, per_seq)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    pos = torch.full((batch,), context - 1, dtype=torch.int64, device="cuda")
-    q = torch.randn(batch, HEADS, D, device="cuda", dtype=torch.float16)
-    read = batch * context * KV_HEADS * codec.bytes_per_token_head + q.numel() * 2
-    return codec, cache, (q, cache, tables, seq_lens, qsl, pos), read
+    tables = torch.arange(1, blocks, dtype=torch.int32, device=device).reshape(batch, per_seq)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    pos = torch.full((batch,), context - 1, dtype=torch.int64, device=device)
+    q = torch.randn(batch, HEADS, D, device=device, dtype=torch.float16)
+    # bytes the kernel must read: the quantized cache before the window, the fp16 window, q
+    read = batch * KV_HEADS * ((context - window) * codec.bytes_per_token_head + window * 4 * D)
+    read += q.numel() * 2
+    kw = {}
+    if window:  # blocks of the recent cache before the window are recycled to the null block
+        recent = [torch.zeros(blocks, BS, KV_HEADS, D, dtype=torch.float16, device=device)
+                  for _ in range(2)]  # fmt: skip
+        write_cache_(make_codec("auto", D, model_dtype="float16"), recent, kv, kv, slots)
+        live = torch.arange(per_seq, device=device) >= (context - window) // BS
+        kw = dict(recent_cache=recent, recent_block_tables=tables * live.to(tables.dtype),
+                  recent_window=window)  # fmt: skip
+    return codec, cache, (q, cache, tables, seq_lens, qsl, pos), kw, read
 
 
 def main():
@@ -76,15 +98,15 @@ def main():
                 qq, kq, kq, enable_gqa=True), flush)  # fmt: skip
             del kq
             for mode in MODES:
-                codec, cache, call, read = setup(mode, context, batch)
-                t = timed(lambda c=codec, a=call: paged_attention(
-                    c, *a, scale=D**-0.5, splits=args.splits), flush)  # fmt: skip
+                codec, cache, call, kw, read = setup(mode, context, batch)
+                t = timed(lambda c=codec, a=call, kw=kw: paged_attention(
+                    c, *a, scale=D**-0.5, splits=args.splits, **kw), flush)  # fmt: skip
                 base.setdefault("fp16", t)
                 gbs = read / t / 1e9
                 frac = gbs / (args.peak_tbs * 1000)
                 print(f"{mode},{context},{batch},{t * 1e3:.3f},{read},{gbs:.0f},{frac:.2f},"
                       f"{t / base['fp16']:.2f},{t / t_sdpa:.2f}")  # fmt: skip
-                del cache, call
+                del cache, call, kw
                 torch.cuda.empty_cache()
 
 
