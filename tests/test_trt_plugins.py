@@ -376,6 +376,26 @@ def test_cuda_trt_order_kernels_match_reference(name):
     (got,) = emulate.launch(a, [q.cuda(), *[c.cuda() for c in ref_cache],
                                 *[s.cuda() for s in steps]])  # fmt: skip
     torch.testing.assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-3)
+    # a recent window of 64: logical blocks before it recycled to the null block
+    plain = make_codec("auto", 128, model_dtype="float32")
+    recent = reference.write_cache(plain, [torch.zeros(64, 16, 8, 128) for _ in range(2)], k, v,
+                                   slots)  # fmt: skip
+    rt = steps[0] * (torch.arange(32) >= (496 - 63) // 16).to(torch.int32)
+    _, r = plans(name, d=128, kvh=8, heads=32, k_scale=1.0, v_scale=1.0, block_size=16,
+                 recent_window=64)  # fmt: skip
+    ref = reference.paged_attention(
+        codec,
+        q,
+        ref_cache,
+        *steps,
+        scale=128**-0.5,
+        recent_cache=recent,
+        recent_block_tables=rt,
+        recent_window=64,
+    )
+    ins = [q, *ref_cache, *steps, *recent, rt]
+    (got,) = emulate.launch(r, [x.cuda() for x in ins])
+    torch.testing.assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-3)
 
 
 class _FakePluginAPI:
