@@ -101,8 +101,8 @@ def _run_torch_op(plugin: str, attrs: dict, ins: list, outs: list) -> None:
     import torch
 
     scales = (attrs["kv_cache_dtype"], attrs["model_dtype"], attrs["k_scale"], attrs["v_scale"])
-    _, n, recent = contract.PLUGINS[plugin]
-    if plugin.startswith("Cache"):
+    op, n, recent = contract.PLUGINS[plugin]
+    if op == contract.CACHE_WRITE:
         caches = outs  # aliased: the same memory as the cache inputs
         if any(o.data_ptr() != i.data_ptr() for o, i in zip(outs, ins, strict=False)):
             for o, i in zip(outs, ins[:n], strict=True):

@@ -478,15 +478,13 @@ def trt_kernel_variant(
                   V_SCALE=1.0, SM_SCALE=_fp32(scale), SOFTCAP=_fp32(softcap or 0.0),
                   WINDOW=int(window or 0), INV_SQRT=0.0, CENT=None,
                   RECENT_WINDOW=int(recent_window))  # fmt: skip
-    recent = {"recent_k_ptr": x, "recent_v_ptr": x, "recent_tables_ptr": "*i32",
-              "max_recent_blocks": "i32"}  # fmt: skip
-    if not recent_window:
-        consts.update(dict.fromkeys(recent))
-        recent = dict.fromkeys(recent, "constexpr")
     steps = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
-             "pos_ptr": "*i64", **{k: v for k, v in recent.items() if k.endswith("_ptr")},
-             "num_seqs": "i32", "max_blocks": "i32", "max_recent_blocks":
-             recent["max_recent_blocks"], "out_ptr": x}  # fmt: skip
+             "pos_ptr": "*i64", "recent_k_ptr": x, "recent_v_ptr": x,
+             "recent_tables_ptr": "*i32", "num_seqs": "i32", "max_blocks": "i32",
+             "max_recent_blocks": "i32", "out_ptr": x}  # fmt: skip
+    if not recent_window:  # constexpr None: absent from the compiled parameter list
+        for name in ("recent_k_ptr", "recent_v_ptr", "recent_tables_ptr", "max_recent_blocks"):
+            steps[name], consts[name] = "constexpr", None
     if isinstance(codec, TurboQuantCodec):
         inline = turboquant_inline_tables(codec)
         cents = () if codec.preset.key_fp8 else tq_centroids(codec)
