@@ -3,14 +3,12 @@
 Layout of an artifact:
 ``model.onnx`` + ``model.onnx.data`` (weights), ``tqexport.json`` (the spec, also embedded in the
 graph's metadata), tokenizer files, chat template and ``generation_config.json`` when the model
-has them. Everything is written into a temporary sibling directory that is renamed at the end,
-so a failed build leaves nothing behind.
+has them. Everything is written into a staging sibling that is swapped in at the end, so a failed
+build leaves nothing behind (see :mod:`tqexport.export.outdir` for what ``--force`` may replace).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +18,7 @@ import torch
 
 from tqexport.errors import TQExportError
 from tqexport.export.onnx import DEFAULT_OPSET, export_model
+from tqexport.export.outdir import Staging, check_target, remove_stale_staging
 from tqexport.models.config import describe_model
 from tqexport.models.loader import LoadedModel, load_model
 from tqexport.resolve import resolve
@@ -55,15 +54,6 @@ class BuildResult:
     @property
     def size_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.out_dir.iterdir() if p.is_file())
-
-
-def _check_out_dir(out_dir: Path, force: bool) -> None:
-    if out_dir.exists() and not force:
-        raise TQExportError(f"{out_dir} already exists; pass --force to replace it")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise TQExportError(f"{out_dir} exists and is not a directory")
-    if not out_dir.parent.exists():
-        raise TQExportError(f"parent directory {out_dir.parent} does not exist")
 
 
 def parse_kv_scales(value: str) -> float | None:
@@ -185,37 +175,46 @@ def build_artifact(
     progress: Callable[[str], None] = lambda stage: None,
 ) -> BuildResult:
     """Load, resolve, export and save; raises TQExportError on bad input before heavy work."""
-    out_dir = Path(out_dir)
-    _check_out_dir(out_dir, options.force)
+    target = check_target(Path(out_dir), options.force)
     check_options(model, options)
-    progress("load")
-    lm = load_model(model, options.dtype)
-    spec, warnings = resolve_spec(model, lm, options, progress)
-    progress("export")
-    graph = export_model(lm.model, spec, options.opset)
-    progress("save")
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    remove_stale_staging(target)
+    staging = Staging(target)  # proves the location writable before any heavy work
     try:
-        onnx.save_model(
-            graph,
-            tmp / MODEL_FILE,
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=WEIGHTS_FILE,
-        )
-        onnx.checker.check_model(str(tmp / MODEL_FILE), full_check=True)
-        (tmp / SPEC_FILE).write_text(spec.to_json() + "\n")
-        _save_tokenizer(lm, tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        progress("load")
+        lm = load_model(model, options.dtype)
+        spec, warnings = resolve_spec(model, lm, options, progress)
+        staging.check_free_space(_weight_bytes(lm) + (64 << 20))
+        progress("export")
+        graph = export_model(lm.model, spec, options.opset)
+        progress("save")
+        try:
+            _save(graph, spec, lm, staging.path)
+            staging.commit()
+        except OSError as e:
+            why = e.strerror or str(e)
+            raise TQExportError(f"cannot write the artifact to {out_dir}: {why}") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staging.discard()
         raise
-    return BuildResult(out_dir, spec, warnings)
+    return BuildResult(target, spec, warnings)
+
+
+def _save(graph: onnx.ModelProto, spec: ModelSpec, lm: LoadedModel, tmp: Path) -> None:
+    onnx.save_model(
+        graph,
+        tmp / MODEL_FILE,
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=WEIGHTS_FILE,
+    )
+    onnx.checker.check_model(str(tmp / MODEL_FILE), full_check=True)
+    (tmp / SPEC_FILE).write_text(spec.to_json() + "\n")
+    _save_tokenizer(lm, tmp)
+
+
+def _weight_bytes(lm: LoadedModel) -> int:
+    """Bytes the exported weights take (what model.onnx.data will hold, roughly)."""
+    return sum(p.numel() * p.element_size() for p in lm.model.state_dict().values())
 
 
 def _source_path(model: str) -> str:
