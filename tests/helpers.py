@@ -1,6 +1,15 @@
-"""Model descriptions built in tests (no config files, no weights)."""
+"""Shared test helpers: model descriptions built in tests (no config files, no weights), and
+paged prefills compared by the product's parity rule."""
 
+from dataclasses import dataclass
+
+import torch
+
+from tqexport.models.paged import PagedCausalLM
 from tqexport.resolve import AttentionLayer, ModelDescription
+from tqexport.runtime.caches import allocate_caches
+from tqexport.runtime.parity import compare_write
+from tqexport.runtime.steps import SeqChunk, build_step, ordered_inputs
 
 
 def describe(windows, head_size=64, kv_heads=2, dtype="bfloat16", name="test-model"):
@@ -26,3 +35,112 @@ def dense(n, **kw):
 def gemma_like(n=6, window=8, **kw):
     """Alternating sliding (even layers) and full (odd layers) attention, like Gemma-2."""
     return describe([window if i % 2 == 0 else None for i in range(n)], **kw)
+
+
+@dataclass
+class Run:
+    """One sequence prefilled through the paged caches: logits at every position, the caches,
+    each layer's k/v as the hook saw them, and the slots the sequence's tokens went to."""
+
+    logits: torch.Tensor
+    caches: dict[str, torch.Tensor]
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    slots: torch.Tensor
+
+
+def prefill_chunks(lm, spec, tokens, chunk, num_blocks=12) -> Run:
+    """Prefill ``tokens`` in chunks of ``chunk`` with contiguous block tables from block 1."""
+    seen: dict[int, list] = {}
+    pm = PagedCausalLM(lm.model, spec, mode="inplace", observer=lambda la, k, v: seen.setdefault(
+        la.index, []).append((k, v)))  # fmt: skip
+    caches = allocate_caches(spec, num_blocks)
+    tables = [list(range(1, num_blocks)) for _ in spec.groups]
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(tokens), chunk):
+            step = build_step(spec, [SeqChunk(tokens[start : start + chunk], start, tables, "all")])
+            out.append(pm(*ordered_inputs(spec, step, caches))[0])
+    kv = {i: tuple(torch.cat(x) for x in zip(*parts)) for i, parts in seen.items()}
+    return Run(torch.cat(out), caches, kv, spec.block_size + torch.arange(len(tokens)))
+
+
+def first_cache_difference(spec, a: Run, b: Run) -> tuple[int, bool, list[str]] | None:
+    """The first layer whose quantized bytes differ between two runs of the same tokens, whether
+    both runs' bytes there are what the reference writes for b's k/v but at rounding thresholds
+    (the product's parity rule), and the details; None when every layer holds the same bytes."""
+    for layer in spec.layers:
+        codec = layer.cache.codec
+        rows = [
+            [run.caches[layer.onnx_input(t.role)].flatten(0, 1)[run.slots] for t in codec.tensors]
+            for run in (a, b)
+        ]
+        if all(torch.equal(x, y) for x, y in zip(*rows) if x.dtype == torch.uint8):
+            continue
+        k, v = b.kv[layer.index]
+        empty = [torch.zeros_like(r).unsqueeze(0) for r in rows[1]]
+        ok, details = True, []
+        for run, got in zip("ab", rows):
+            fine, _, said = compare_write(
+                codec, empty, k, v, torch.arange(len(k)), [r.unsqueeze(0) for r in got], 1e-4
+            )
+            ok &= fine
+            details += [f"run {run} {x}" for x in said]
+        return layer.index, ok, details
+    return None
+
+
+def assert_same_run(spec, a: Run, b: Run, tol=1e-4):
+    """Two numeric paths over the same tokens agree: logits within ``tol``, or else the first
+    layer whose cache bytes differ differs only at a rounding threshold (one flipped code there
+    legitimately changes every later layer, whatever the CPU's summation order)."""
+    if torch.allclose(a.logits, b.logits, atol=tol, rtol=tol):
+        return
+    diff = float((a.logits - b.logits).abs().max())
+    first = first_cache_difference(spec, a, b)
+    assert first is not None, f"logits differ by {diff:.2e} while every cache holds the same bytes"
+    layer, ok, details = first
+    assert ok, f"logits differ by {diff:.2e}; layer {layer} bytes differ away from thresholds: " + (
+        "; ".join(details)
+    )
+
+
+#: top-2 logit gap below which a greedy choice is a near tie that last-bit differences, or one
+#: code flipped at a rounding threshold (1e-4..1e-3 in a tiny model's logits), may decide
+NEAR_TIE = 1e-2
+
+
+def teacher_forced(module, spec, prompt, generated) -> torch.Tensor:
+    """The reference's logits that predicted each generated token: one prefill of prompt +
+    generated through ``module`` (a PagedCausalLM)."""
+    tokens = prompt + generated
+    blocks = -(-len(tokens) // spec.block_size)
+    caches = allocate_caches(spec, blocks + 1)
+    tables = [list(range(1, blocks + 1))] * len(spec.groups)
+    step = build_step(spec, [SeqChunk(tokens[:-1], 0, tables, "all")])
+    with torch.no_grad():
+        return module(*ordered_inputs(spec, step, caches))[0][len(prompt) - 1 :]
+
+
+def assert_greedy(logits, generated, near_tie=NEAR_TIE) -> int:
+    """Wherever the reference is decisive (top-2 gap above ``near_tie``) its argmax is the
+    generated token; returns the number of decisive positions."""
+    top2 = logits.topk(2, dim=-1)
+    decisive = (top2.values[:, 0] - top2.values[:, 1]) > near_tie
+    agree = top2.indices[:, 0] == torch.tensor(generated)
+    assert bool(agree[decisive].all()), (agree.tolist(), decisive.tolist())
+    return int(decisive.sum())
+
+
+def assert_same_generation(logits, a, b, near_tie=NEAR_TIE):
+    """Greedy outputs ``a`` (``logits``: its teacher-forced reference logits) and ``b`` of one
+    prompt agree token for token, or up to a near tie that they split between the top two."""
+    split = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if split is None:
+        assert len(a) == len(b), (a, b)
+        return
+    values, ids = logits[split].topk(2)
+    gap = float(values[0] - values[1])
+    assert gap <= near_tie and {a[split], b[split]} <= set(ids.tolist()), (
+        f"outputs split at token {split} ({a[split]} vs {b[split]}) where the reference's top "
+        f"two are {ids.tolist()} with a gap of {gap:.2e}, not a near tie"
+    )

@@ -24,15 +24,18 @@ MATRIX = [("tiny-llama", d, []) for d in kv_cache_dtype_names() if d != "bfloat1
 ]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("model,dtype,skip", MATRIX, ids=lambda x: str(x))
-def test_parity_ort_vs_reference(artifacts, model, dtype, skip):
+def test_parity_ort_vs_reference(artifacts, model, dtype, skip, threads):
+    """The product's rule at ORT's 1- and 2-thread summation orders: per layer and step, cache
+    bytes (but at rounding thresholds) and attention on ORT's own inputs; end-to-end logits
+    judged only without quantized layers (one flipped code legitimately cascades)."""
     art = open_artifact(artifacts(model, dtype, skip))
     quantized = [la for la in art.spec.layers if la.kv_cache_dtype == dtype]
     assert quantized, "some layers must use the requested dtype"
-    report = run_parity(art, steps=3, prompt_len=20, batch=3)
+    report = run_parity(art, steps=3, prompt_len=20, batch=3, threads=threads)
     assert report.ok, [c for c in report.layers if not c.ok]
-    # On these small random models no code flip cascades: end-to-end logits agree too.
-    assert all(c.ok for c in report.logits), report.logits
+    assert report.logits_judged == (not any(la.mode.is_quantized for la in art.spec.layers))
 
 
 def _node_dtypes(model_path):

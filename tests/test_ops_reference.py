@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import Run, assert_same_run, prefill_chunks
 
 from tqexport.models.loader import load_model
 from tqexport.models.paged import PagedCausalLM
@@ -37,26 +38,12 @@ def eager_logits(model, tokens):
                 m.config._attn_implementation = impl
 
 
-def run_chunks(lm, spec, tokens, chunk, num_blocks=12):
-    """Prefill ``tokens`` in chunks of ``chunk``; return logits at every position."""
-    pm = PagedCausalLM(lm.model, spec, mode="inplace")
-    caches = allocate_caches(spec, num_blocks)
-    tables = [list(range(1, num_blocks)) for _ in spec.groups]
-    out = []
-    with torch.no_grad():
-        for start in range(0, len(tokens), chunk):
-            part = tokens[start : start + chunk]
-            step = build_step(spec, [SeqChunk(part, start, tables, "all")])
-            out.append(pm(*ordered_inputs(spec, step, caches))[0])
-    return torch.cat(out), caches
-
-
 @pytest.mark.parametrize("name", TINY)
 def test_hook_reproduces_transformers_forward(models, name):
     lm = get(models, name)
     spec = resolve(lm.description, "auto").spec
     tokens = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(1)).tolist()
-    got, _ = run_chunks(lm, spec, tokens, 64)
+    got = prefill_chunks(lm, spec, tokens, 64).logits
     if name in ("tiny-gemma2", "tiny-gemma3", "tiny-mistral"):
         assert 8 in {la.window for la in spec.layers}  # windows shorter than the prompt
     torch.testing.assert_close(got, eager_logits(lm.model, tokens), atol=1e-4, rtol=1e-4)
@@ -68,10 +55,9 @@ def test_chunking_never_changes_results(models, name, dtype):
     lm = get(models, name)
     spec = resolve(lm.description, dtype, boundary=False).spec
     tokens = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(2)).tolist()
-    whole, _ = run_chunks(lm, spec, tokens, 40)
+    whole = prefill_chunks(lm, spec, tokens, 40)
     for chunk in (7, 1):
-        got, _ = run_chunks(lm, spec, tokens, chunk)
-        torch.testing.assert_close(got, whole, atol=1e-4, rtol=1e-4)
+        assert_same_run(spec, prefill_chunks(lm, spec, tokens, chunk), whole)
 
 
 def test_mixed_batch_equals_sequences_alone(models):
@@ -80,9 +66,10 @@ def test_mixed_batch_equals_sequences_alone(models):
     g = torch.Generator().manual_seed(3)
     a = torch.randint(0, 256, (20,), generator=g).tolist()
     b = torch.randint(0, 256, (9,), generator=g).tolist()
-    alone_a, _ = run_chunks(lm, spec, a, 20)
-    alone_b, _ = run_chunks(lm, spec, b, 9)
-    pm = PagedCausalLM(lm.model, spec, mode="inplace")
+    alone_a, alone_b = prefill_chunks(lm, spec, a, 20), prefill_chunks(lm, spec, b, 9)
+    seen = {}
+    pm = PagedCausalLM(lm.model, spec, mode="inplace", observer=lambda la, k, v: seen.setdefault(
+        la.index, []).append((k, v)))  # fmt: skip
     caches = allocate_caches(spec, 12)
     ta = [[1, 2, 3, 4] for _ in spec.groups]
     tb = [[5, 6, 7] for _ in spec.groups]
@@ -92,8 +79,14 @@ def test_mixed_batch_equals_sequences_alone(models):
         l1 = pm(*ordered_inputs(spec, s1, caches))[0]
         s2 = build_step(spec, [SeqChunk(a[19:], 19, ta, "all"), SeqChunk(b[5:], 5, tb, "all")])
         l2 = pm(*ordered_inputs(spec, s2, caches))[0]
-    torch.testing.assert_close(torch.cat([l1[:19], l2[:1]]), alone_a, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(torch.cat([l1[19:], l2[1:]]), alone_b, atol=1e-4, rtol=1e-4)
+    batched_a = Run(torch.cat([l1[:19], l2[:1]]), caches, {}, 16 + torch.arange(20))
+    batched_b = Run(torch.cat([l1[19:], l2[1:]]), caches, {}, 5 * 16 + torch.arange(9))
+    for i, parts in seen.items():
+        k, v = (torch.cat(x) for x in zip(*parts))  # step 1: a[:19], b[:5]; step 2: a[19], b[5:]
+        batched_a.kv[i] = (torch.cat([k[:19], k[24:25]]), torch.cat([v[:19], v[24:25]]))
+        batched_b.kv[i] = (torch.cat([k[19:24], k[25:]]), torch.cat([v[19:24], v[25:]]))
+    assert_same_run(spec, batched_a, alone_a)
+    assert_same_run(spec, batched_b, alone_b)
 
 
 def test_padding_tokens_and_rows_leave_other_caches_untouched(models):
@@ -140,5 +133,5 @@ def test_hook_reproduces_transformers_on_smollm2(models):
     text = "The quick brown fox jumps over the lazy dog. " * 8
     tokens = lm.tokenizer(text)["input_ids"][:64]
     assert len(tokens) == 64
-    got, _ = run_chunks(lm, spec, tokens, 64, num_blocks=6)
+    got = prefill_chunks(lm, spec, tokens, 64, num_blocks=6).logits
     torch.testing.assert_close(got, eager_logits(lm.model, tokens), atol=1e-4, rtol=1e-4)

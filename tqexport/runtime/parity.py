@@ -3,7 +3,10 @@
 One prefill (several sequences of different lengths) and N decode steps run on ORT with a
 session that also exposes every tqexport node's inputs. For every layer and step the torch
 reference ops are run on exactly the q/k/v ORT fed its nodes, and must reproduce ORT's cache
-bytes and attention outputs (within 1e-4 for float32 models, two ulps for 16-bit ones). Judging
+bytes and attention outputs (within 1e-4 for float32 models, two ulps for 16-bit ones). A byte
+may differ only in a token-head whose encoding sits at a rounding threshold: one that a
+perturbation of ``NEAR_THRESHOLD`` times its rms changes in at least one of ``PROBES`` seeded
+draws (the last-bit differences of ORT's and torch's arithmetic are about 10x smaller). Judging
 whole-model logits of a quantized model instead would be meaningless: ORT's and torch's matmuls
 differ in the last bits, one code that flips at a rounding threshold changes that layer's output
 by a quantization step, and the difference grows through the remaining layers (measured on
@@ -35,6 +38,9 @@ from tqexport.runtime.steps import SeqChunk, build_step, ordered_inputs
 from tqexport.spec import ModelSpec
 
 TOL = 1e-4
+#: relative size (to each token-head's rms) and number of the perturbations that find
+#: token-heads whose encoding sits at a rounding threshold
+NEAR_THRESHOLD, PROBES = 1e-5, 16
 
 
 @dataclass
@@ -70,7 +76,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> tuple[bool, float]:
 class _TapSession:
     """ORT session over the artifact with every tqexport node's q/k/v and output exposed."""
 
-    def __init__(self, artifact: Artifact):
+    def __init__(self, artifact: Artifact, threads: int | None = None):
         model = onnx.load(str(artifact.model_file))
         self.taps: dict[tuple[int, str], str] = {}
         elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(artifact.spec.dtype))
@@ -90,7 +96,10 @@ class _TapSession:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "tapped.onnx"
             onnx.save_model(model, path, save_as_external_data=True, location="w.data")
-            self.session = ort.InferenceSession(str(path), providers=providers())
+            opts = ort.SessionOptions()
+            if threads:
+                opts.intra_op_num_threads = threads
+            self.session = ort.InferenceSession(str(path), opts, providers=providers())
         self.input_names = [i.name for i in self.session.get_inputs()]
 
     def run(self, step, caches):
@@ -99,7 +108,48 @@ class _TapSession:
         return {k: torch.from_numpy(np.asarray(v)) for k, v in out.items()}
 
 
-def _check_layers(spec: ModelSpec, step, caches, out, taps, step_no, max_code_flips):
+def near_threshold(codec, cache_in, k, v, slots, ref_cache, seed=0) -> list[torch.Tensor]:
+    """Per cache tensor, ``[blocks, block_size, kv_heads]``: the token-heads whose bytes change
+    when k and v move by ``NEAR_THRESHOLD`` of their rms (seeded, ``PROBES`` draws)."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = k.float(), v.float()
+    rms = [x.pow(2).mean(-1, keepdim=True).sqrt() for x in (k, v)]
+    unstable = [torch.zeros(r.shape[:3], dtype=torch.bool) for r in ref_cache]
+    for _ in range(PROBES):
+        pk, pv = (
+            x + NEAR_THRESHOLD * s * torch.randn(x.shape, generator=g)
+            for x, s in zip((k, v), rms, strict=True)
+        )
+        moved = reference.write_cache(codec, cache_in, pk, pv, slots)
+        for u, a, b in zip(unstable, moved, ref_cache, strict=True):
+            u |= (a != b).reshape(*u.shape, -1).any(-1)
+    return unstable
+
+
+def compare_write(codec, cache_in, k, v, slots, got, tol) -> tuple[bool, float, list[str]]:
+    """Does ``got`` hold what the reference writes for k/v? Bytes may differ only in token-heads
+    at a rounding threshold; float tensors (model-dtype caches, scales) agree within ``tol``."""
+    ref_cache = reference.write_cache(codec, cache_in, k, v, slots)
+    ok, worst, details, unstable = True, 0.0, [], None
+    for i, (fmt, r, g) in enumerate(zip(codec.tensors, ref_cache, got, strict=True)):
+        if r.dtype != torch.uint8:
+            fine, diff = _close(r, g, max(tol, torch.finfo(r.dtype).eps))
+            ok, worst = ok and fine, max(worst, diff)
+            continue
+        differ = (r != g).reshape(*r.shape[:3], -1).any(-1)
+        n = int(differ.sum())
+        if n and unstable is None:
+            unstable = near_threshold(codec, cache_in, k, v, slots, ref_cache)
+        at_threshold = int((differ & unstable[i]).sum()) if n else 0
+        ok &= at_threshold == n
+        details.append(
+            f"{fmt.role}: {n} token-heads differ"
+            + (f", {at_threshold} at a threshold" if n else "")
+        )
+    return ok, worst, details
+
+
+def _check_layers(spec: ModelSpec, step, caches, out, taps, step_no):
     checks = []
     tol = tolerance(spec.dtype)
     for layer in spec.layers:
@@ -117,18 +167,10 @@ def _check_layers(spec: ModelSpec, step, caches, out, taps, step_no, max_code_fl
             cache_out = [out[layer.onnx_output(r)] for r in roles]
             written_caches[prefix] = cache_out
             slots = step[f"slot_mapping_{group}"]
-            ref_cache = reference.write_cache(own_codec, cache_in, k, v, slots)
-            written = int((slots >= 0).sum())
-            for role, r, g in zip(roles, ref_cache, cache_out, strict=True):
-                if r.dtype == torch.uint8:
-                    differ = int((r != g).sum())
-                    allowed = max_code_flips * written * r[0, 0].numel()
-                    ok &= differ <= allowed
-                    details.append(f"{role}: {differ} bytes differ")
-                else:
-                    fine, diff = _close(r, g, max(tol, torch.finfo(r.dtype).eps))
-                    ok &= fine
-                    worst = max(worst, diff)
+            fine, diff, said = compare_write(own_codec, cache_in, k, v, slots, cache_out, tol)
+            ok &= fine
+            worst = max(worst, diff)
+            details += [f"{prefix}{x}" for x in said]
         q = out[taps[(layer.index, "q")]]
         ref_attn = reference.paged_attention(
             codec,
@@ -161,16 +203,17 @@ def run_parity(
     prompt_len: int = 24,
     batch: int = 3,
     seed: int = 0,
-    max_code_flips: float = 1e-4,
+    threads: int | None = None,
 ) -> ParityReport:
-    """Prefill + ``steps`` decode steps; see the module docstring for what is compared."""
+    """Prefill + ``steps`` decode steps; see the module docstring for what is compared.
+    ``threads``: ORT intra-op threads (None = ORT's default), which sets its summation order."""
     spec = artifact.spec
     if prompt_len < 1 or batch < 1 or steps < 0:
         raise TQExportError("--prompt-len and --batch must be >= 1, --steps >= 0")
     if spec.dtype == "bfloat16":
         raise TQExportError("parity runs on ONNX Runtime's CPU provider, which has no bf16 MatMul")
     lm = load_source_model(spec)
-    tapped = _TapSession(artifact)
+    tapped = _TapSession(artifact, threads)
     reference_model = PagedCausalLM(lm.model, spec, mode="functional")
     g = torch.Generator().manual_seed(seed)
     vocab = int(spec.model["vocab_size"])
@@ -194,7 +237,7 @@ def run_parity(
             ref_out = reference_model(*ordered_inputs(spec, step, ref_caches))
         ref_caches = dict(zip(cache_names, ref_out[1:], strict=True))
         out = tapped.run(step, ort_caches)
-        report.layers += _check_layers(spec, step, ort_caches, out, tapped.taps, i, max_code_flips)
+        report.layers += _check_layers(spec, step, ort_caches, out, tapped.taps, i)
         ort_caches = {n: out[n.replace("cache.", "cache_out.", 1)] for n in cache_names}
         ok, diff = _close(ref_out[0], out["logits"], tolerance(spec.dtype))
         same_top1 = float((ref_out[0].argmax(-1) == out["logits"].argmax(-1)).float().mean())
