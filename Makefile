@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test demo bench lint clean vllm-parity
 
 install: $(STAMP)
 
@@ -46,6 +46,11 @@ bench: install
 	$(QUALITY) --kv-cache-dtype fp8,fp8_e5m2,nvfp4 --kv-scales calibrate --no-peer > $(REPORT_DIR)/quality_calibrated.json
 	$(BIN)/tqexport bench report smollm2 -o $(REPORT_DIR) $(foreach f,quality quality_native quality_recent quality_calibrated,--quality-json $(REPORT_DIR)/$(f).json)
 	$(BIN)/python benchmarks/codec_throughput.py
+
+# Opt-in, not part of `make test`: TurboQuant slot bytes against vLLM's own store kernel (its wheel
+# is downloaded, never installed, and its kernel run in the Triton interpreter; ~1 min on 2 cores).
+vllm-parity: install
+	$(BIN)/python scripts/vllm_parity.py
 
 lint: install
 	$(BIN)/ruff check tqexport tests benchmarks

@@ -137,11 +137,12 @@ def test_bits_per_element_counts_every_layer():
     lm = load_model(MODEL, "float32")
     spec = quality.resolve_spec(MODEL, lm, quality.BuildOptions("turboquant_4bit_nc"))[0]
     dtypes = [la.kv_cache_dtype for la in spec.layers]
-    assert dtypes == ["auto", *["turboquant_4bit_nc"] * 4, "auto"]  # 6 layers: boundary 1
+    tq = "turboquant_4bit_nc"
+    assert dtypes == ["auto", "auto", tq, tq, "auto", "auto"]  # 6 layers: vLLM's boundary 2
     d = spec.layers[0].cache.head_size  # 64: 70-byte slot for 2*64 elements = 4.375 bits
     slot_bits = 8 * make_codec("turboquant_4bit_nc", d).bytes_per_token_head / (2 * d)
-    assert quality.bits_per_element(spec, 16) == pytest.approx((2 * 16 + 4 * slot_bits) / 6)
-    assert quality.bits_per_element(spec) == pytest.approx((2 * 32 + 4 * slot_bits) / 6)
+    assert quality.bits_per_element(spec, 16) == pytest.approx((4 * 16 + 2 * slot_bits) / 6)
+    assert quality.bits_per_element(spec) == pytest.approx((4 * 32 + 2 * slot_bits) / 6)
 
 
 def test_goals_compare_each_tool_with_its_own_baseline():

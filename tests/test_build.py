@@ -111,7 +111,15 @@ def cli(*args):
         (["build", "tiny-llama", "-o", "{out}", "--skip-layers", "3-x"], "malformed pattern"),
         (["build", "tiny-llama", "-o", "{out}", "--skip-layers", "99"], "outside the model"),
         (
-            ["build", "tiny-llama-d80", "-o", "{out}", "--kv-cache-dtype", "turboquant_4bit_nc"],
+            [
+                "build",
+                "tiny-llama-d80",
+                "-o",
+                "{out}",
+                "--kv-cache-dtype",
+                "turboquant_4bit_nc",
+                "--no-boundary",
+            ],
             "turboquant_k8v4",
         ),
         (["build", "tiny-llama", "-o", "{out}", "--kv-scales", "big"], "--kv-scales"),

@@ -87,7 +87,10 @@ def test_plan_warns_for_class_pattern_matching_nothing():
         (["plan", "tiny-llama", "--skip-layers", "7"], "outside the model"),
         (["plan", "tiny-llama", "--skip-layers", "x-y"], "malformed pattern"),
         (["plan", "no/such/dir"], "not found"),
-        (["plan", "tiny-llama-d80", "--kv-cache-dtype", "turboquant_4bit_nc"], "turboquant_k8v4"),
+        (
+            ["plan", "tiny-llama-d80", "--kv-cache-dtype", "turboquant_4bit_nc", "--no-boundary"],
+            "turboquant_k8v4",
+        ),
         (["dtypes", "--head-size", "0"], "--head-size must be positive"),
     ],
 )

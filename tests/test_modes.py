@@ -84,3 +84,10 @@ def test_hardware_specific_vllm_names_are_refused_with_reason(name, why):
         parse_kv_cache_dtype(name)
     assert "not supported" in str(e.value) and why in str(e.value)
     assert "turboquant_4bit_nc" in str(e.value)
+
+
+def test_native_names_are_exactly_the_tqx_presets():
+    from tqexport.kvquant.modes import KV_CACHE_DTYPES
+
+    native = {n for n, e in KV_CACHE_DTYPES.items() if e.native}
+    assert native == {"tqx_k4v4_g32", "tqx_k4v3_g32"}

@@ -49,12 +49,51 @@ def test_default_turboquant_boundary_protects_first_and_last_two():
     )
 
 
-def test_default_boundary_is_capped_at_half_the_layers():
-    assert turboquant_boundary(4) == {0, 3}
+def test_vllm_boundary_caps_each_side_at_half_the_layers():
+    """vLLM's rule (TurboQuantConfig.get_boundary_skip_layers): min(2, L // 2) per side."""
+    assert turboquant_boundary(4) == {0, 1, 2, 3}
     assert turboquant_boundary(8) == {0, 1, 6, 7}
-    assert turboquant_boundary(3) == set()
-    spec = resolve(dense(4), "turboquant_k8v4").spec
-    assert quantized(spec) == [1, 2]
+    assert turboquant_boundary(3) == {0, 2}
+    assert turboquant_boundary(1) == set()
+    res = resolve(dense(4), "turboquant_k8v4")
+    assert quantized(res.spec) == []
+    assert len(res.warnings) == 1 and "keeps all 4 attention layers unquantized" in res.warnings[0]
+
+
+def test_native_boundary_protects_at_most_half_the_layers_in_total():
+    assert turboquant_boundary(4, vllm=False) == {0, 3}
+    assert turboquant_boundary(8, vllm=False) == {0, 1, 6, 7}
+    assert turboquant_boundary(3, vllm=False) == set()
+    res = resolve(dense(4), "tqx_k4v4_g32")
+    assert quantized(res.spec) == [1, 2] and res.warnings == ()
+
+
+# Quantized layers of an L-layer dense model with the default boundary: vLLM presets
+# (min(2, L // 2) per side) and tqexport-native ones (min(2, L // 4) per side).
+SMALL_MODELS = {
+    1: ([0], [0]),
+    2: ([], [0, 1]),
+    3: ([1], [0, 1, 2]),
+    4: ([], [1, 2]),
+    5: ([2], [1, 2, 3]),
+    6: ([2, 3], [1, 2, 3, 4]),
+    7: ([2, 3, 4], [1, 2, 3, 4, 5]),
+    8: ([2, 3, 4, 5], [2, 3, 4, 5]),
+}
+
+
+@pytest.mark.parametrize("n", sorted(SMALL_MODELS))
+def test_boundary_on_small_models(n):
+    vllm_q, native_q = SMALL_MODELS[n]
+    for name in TQ:
+        res = resolve(dense(n), name)
+        assert quantized(res.spec) == vllm_q, name
+        assert len(res.warnings) == (1 if not vllm_q else 0)
+    for name in ("tqx_k4v4_g32", "tqx_k4v3_g32"):
+        res = resolve(dense(n), name)
+        assert quantized(res.spec) == native_q and res.warnings == ()
+    assert quantized(resolve(dense(n), TQ[1], boundary=False).spec) == list(range(n))
+    assert resolve(dense(n), TQ[1], boundary=False).warnings == ()
 
 
 def test_boundary_is_turboquant_only():

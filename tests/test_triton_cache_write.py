@@ -30,6 +30,12 @@ cache = [torch.randint(0, 255, s, generator=g).to(torch_dtype(t.dtype))
          for s, t in zip(shapes, codec.tensors)]
 k = torch.randn(9, 2, d, generator=g) * 3
 v = torch.randn(9, 2, d, generator=g)
+if getattr(codec, "preset", None) is not None:  # NaN/inf rule of the TurboQuant store (vLLM's)
+    nan, inf = float("nan"), float("inf")
+    k[1, 0, 3], k[4, 0, 5], k[5, 1, 0], k[8, 0] = nan, inf, -inf, 0.0
+    k[2, 1], v[2, 0] = nan, nan  # all-NaN key and value heads
+    v[1, 1, 2], v[6, 0, 7], v[8, 1] = nan, inf, inf
+    v[7, 1, :2] = torch.tensor([inf, -inf])
 slots = torch.tensor([4, 5, 6, -1, 9, 17, 18, 19, 7])
 ref = reference.write_cache(codec, cache, k, v, slots)
 mine = [t.clone() for t in cache]

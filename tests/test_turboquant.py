@@ -293,3 +293,82 @@ def test_mse_presets_reject_non_power_of_two_heads(name):
     with pytest.raises(TQExportError, match="turboquant_k8v4"):
         make_codec(name, 96)
     make_codec("turboquant_k8v4", 96)
+
+
+# ---------------------------------------------------------------------------------------------
+# NaN and inf: vLLM's store rules (checked against vLLM 0.33.0's kernel by `make vllm-parity`).
+# A NaN key coordinate or norm sends every rotated coordinate to NaN, which passes no threshold
+# of vLLM's binary search (code 0); +-inf keys make the norm inf and the rotated key NaN.
+# Value min/max skip NaN elements; a NaN scale is stored as 1e-8 (fp16 0), a NaN code as 0.
+# fp16 fields store NaN as 0x7E00; fp8 keys store NaN as 0x7F and saturate +-inf to +-448.
+NAN, INF = float("nan"), float("inf")
+FP16_NAN, FP16_INF, FP16_NEG_INF = [0x00, 0x7E], [0x00, 0x7C], [0x00, 0xFC]
+
+
+def one_slot(name, k, v):
+    d = len(k)
+    kt, vt = torch.tensor(k).reshape(1, 1, d), torch.tensor(v).reshape(1, 1, d)
+    return TurboQuantCodec(name, d).encode(kt, vt)["kv"][0, 0].tolist()
+
+
+@pytest.mark.parametrize(
+    "k,v,expected",
+    [
+        (  # NaN key coordinate: codes 0, norm NaN; a NaN value is skipped by min/max, code 0
+            [NAN, 1.0, 0, 0, 0, 0, 0, 0],
+            [0.0, 15.0, 3.0, 7.0, NAN, 1.0, 2.0, 4.0],
+            [0] * 4 + FP16_NAN + stream([0, 15, 3, 7, 0, 1, 2, 4], 4) + fp16(1.0) + fp16(0.0),
+        ),
+        (  # +inf key: norm inf, codes 0; all-NaN values: scale 1e-8 (fp16 0), zero NaN
+            [INF, 1.0, 0, 0, 0, 0, 0, 0],
+            [NAN] * 8,
+            [0] * 4 + FP16_INF + [0] * 4 + fp16(0.0) + FP16_NAN,
+        ),
+        (  # -inf key; values +inf and -inf: scale inf, zero -inf, every code (NaN) 0
+            [-INF, 0, 0, 0, 0, 0, 0, 2.0],
+            [INF, -INF, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0],
+            [0] * 4 + FP16_INF + [0] * 4 + FP16_INF + FP16_NEG_INF,
+        ),
+        (  # a +inf value: min 0, scale inf; finite codes round 0.5 down to 0, inf's is NaN: 0
+            [0, 0, 0, 0, 0, 0, 0, 0],
+            [INF, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+            # zero key: rotated zeros reach threshold 0 (index 8), norm 0
+            stream([8] * 8, 4) + fp16(0.0) + [0] * 4 + FP16_INF + fp16(0.0),
+        ),
+    ],
+)
+def test_nan_and_inf_slot_bytes_4bit(k, v, expected):
+    slot = one_slot("turboquant_4bit_nc", k, v)
+    assert slot == expected
+
+
+def test_nan_and_inf_slot_bytes_3bit():
+    k = [1.0, 2.0, NAN, 0, 0, 0, 0, 0]
+    v = [0.0, 7.0, NAN, 3.0, 1.0, 2.0, 5.0, 6.0]  # min 0, max 7: scale 1
+    expected = [0] * 3 + FP16_NAN + stream([0, 7, 0, 3, 1, 2, 5, 6], 3) + fp16(1.0) + fp16(0.0)
+    assert one_slot("turboquant_3bit_nc", k, v) == expected
+
+
+def test_nan_and_inf_fp8_keys():
+    k = [NAN, INF, -INF, 1.0, -NAN, 500.0, -0.0, 2.0**-9]
+    expected_key = [0x7F, 0x7E, 0xFE, 0x38, 0x7F, 0x7E, 0x80, 0x01]
+    assert one_slot("turboquant_k8v4", k, [NAN] * 8) == expected_key + [0] * 4 + [0, 0] + FP16_NAN
+
+
+def test_nan_value_group_of_a_native_preset():
+    """Each group has its own NaN rule: an all-NaN group beside a finite one."""
+    d = 64
+    k, _ = golden_inputs(d)
+    v = torch.cat([torch.full((32,), NAN), torch.arange(32, 64, dtype=torch.float32)])
+    slot = TurboQuantCodec("tqx_k4v4_g32", d).encode(k, v.reshape(1, 1, d))["kv"][0, 0].tolist()
+    expected = (
+        stream([11] * d, 4) + fp16(3.0) + stream([0] * 32 + value_codes(32, 4), 4)
+        + fp16(0.0) + FP16_NAN + fp16(31 / 15) + fp16(32.0)
+    )  # fmt: skip
+    assert slot == expected
+
+
+def test_centroid_index_of_nan_is_zero_and_inf_is_an_end():
+    th = tq.thresholds(tq.centroids(64, 4))
+    idx = tq.centroid_index(torch.tensor([NAN, INF, -INF, 0.0]), th)
+    assert idx.tolist() == [0, 15, 0, 8]

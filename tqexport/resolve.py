@@ -25,7 +25,8 @@ from tqexport.spec import (
 )
 
 UNQUANTIZED = "auto"
-#: vLLM protects the first and last 2 attention layers of dense models for every TurboQuant preset.
+#: vLLM protects the first and last 2 attention layers of dense models for every TurboQuant preset
+#: (``TurboQuantConfig.get_boundary_skip_layers``: at most ``L // 2`` on each side).
 TURBOQUANT_BOUNDARY_LAYERS = 2
 DEFAULT_BLOCK_SIZE = 16
 
@@ -146,10 +147,25 @@ def parse_skip_patterns(values: Sequence[str]) -> list[SkipPattern]:
     return out
 
 
-def turboquant_boundary(num_layers: int, n: int = TURBOQUANT_BOUNDARY_LAYERS) -> set[int]:
-    """First and last ``n`` layers, with at most half of all layers protected in total."""
-    n = min(n, num_layers // 4)
+def turboquant_boundary(
+    num_layers: int, n: int = TURBOQUANT_BOUNDARY_LAYERS, *, vllm: bool = True
+) -> set[int]:
+    """First and last ``n`` layers. vLLM presets cap ``n`` at half the layers, as vLLM does
+    (``min(n, L // 2)`` per side: 2 and 4 layers are all protected, 1 layer none); tqexport-native
+    ones (``vllm=False``) at a quarter, so at most half the layers are protected in total."""
+    n = min(n, num_layers // 2 if vllm else num_layers // 4)
     return set(range(n)) | set(range(num_layers - n, num_layers))
+
+
+def _boundary_warning(kv_cache_dtype: str, num_layers: int, protected: set[int]) -> list[str]:
+    """A warning when the boundary protection leaves no layer quantized."""
+    if len(protected) < num_layers:
+        return []
+    return [
+        f"{kv_cache_dtype}: turboquant boundary protection (vLLM's first and last "
+        f"min(2, L // 2) layers) keeps all {num_layers} attention layers unquantized; "
+        "pass --no-boundary to quantize them"
+    ]
 
 
 @dataclass(frozen=True)
@@ -192,7 +208,9 @@ def resolve(
         for i in sorted(hit):
             skipped.setdefault(i, f"--skip-layers {pattern.text}")
     if entry.is_turboquant and boundary:
-        for i in sorted(turboquant_boundary(len(layers))):
+        protected = turboquant_boundary(len(layers), vllm=not entry.native)
+        warnings += _boundary_warning(kv_cache_dtype, len(layers), protected)
+        for i in sorted(protected):
             skipped.setdefault(i, "turboquant boundary")
 
     recent = {}

@@ -11,6 +11,7 @@ int4 tensors at graph boundaries, and this keeps one byte view for every consume
 
 from __future__ import annotations
 
+import operator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -23,7 +24,6 @@ from tqexport.kvquant.bits import (
     FP8_FORMATS,
     fp8_decode,
     fp8_encode,
-    fp16_bytes,
     fp16_from_bytes,
     int8_from_bytes,
     int8_to_bytes,
@@ -306,7 +306,6 @@ class NvFp4Codec(Codec):
 
 NORM_EPS = 1e-8
 NC_EPS = 1e-16
-VALUE_MIN_SCALE = 1e-8
 
 
 class TurboQuantCodec(Codec):
@@ -338,9 +337,9 @@ class TurboQuantCodec(Codec):
 
     def _encode_keys(self, k):
         if self.preset.key_fp8:
-            return fp8_encode(k, E4M3)
+            return tq.fp8_key_bytes(k)
         idx, norm = self.key_codes(k)
-        return torch.cat([pack_codes(idx, self.preset.key_bits), fp16_bytes(norm)], dim=-1)
+        return torch.cat([pack_codes(idx, self.preset.key_bits), tq.fp16_field(norm)], dim=-1)
 
     def key_parts(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode-side key state: (unit centroid vectors in the rotated basis, fp16 norms) for
@@ -379,11 +378,8 @@ class TurboQuantCodec(Codec):
     def _encode_values(self, v):
         groups = self.layout.value_groups
         v = v.float().unflatten(-1, (groups, self.head_size // groups))
-        levels = 2**self.preset.value_bits - 1
-        lo, hi = v.amin(-1), v.amax(-1)
-        scale = ((hi - lo) / levels).clamp_min(VALUE_MIN_SCALE)
-        codes = ((v - lo.unsqueeze(-1)) / scale.unsqueeze(-1) + 0.5).floor().clamp(0, levels)
-        params = torch.cat([fp16_bytes(scale), fp16_bytes(lo)], dim=-1)  # [..., groups, 4]
+        codes, scale, lo = tq.quantize_values(v, self.preset.value_bits)  # NaN/inf as vLLM
+        params = torch.cat([tq.fp16_field(scale), tq.fp16_field(lo)], dim=-1)  # [..., groups, 4]
         return torch.cat(
             [pack_codes(codes.flatten(-2), self.preset.value_bits), params.flatten(-2)], dim=-1
         )
@@ -416,6 +412,26 @@ class TurboQuantCodec(Codec):
         return self.decode_keys(slots), self.decode_values(slots)
 
 
+#: Largest head size any codec takes. Real models use at most 256 (Gemma 3); the bound keeps
+#: every table a codec builds small (a TurboQuant rotation is D x D fp32: 4 MiB at 1024), and
+#: it is checked before any of them is built.
+MAX_HEAD_SIZE = 1024
+
+
+def check_head_size(head_size: int) -> int:
+    """``head_size`` if it is an integer in 1..MAX_HEAD_SIZE, else a one-line TQExportError."""
+    try:
+        ok = not isinstance(head_size, bool) and 1 <= operator.index(head_size) <= MAX_HEAD_SIZE
+    except TypeError:
+        ok = False
+    if not ok:
+        raise TQExportError(
+            f"head size must be an integer from 1 to {MAX_HEAD_SIZE} (no real model has larger "
+            f"heads), got {head_size!r:.40}"
+        )
+    return head_size
+
+
 def make_codec(
     kv_cache_dtype: str,
     head_size: int,
@@ -429,6 +445,7 @@ def make_codec(
     ``k_scale``/``v_scale`` are the per-layer scales of fp8 per-tensor caches and the global
     scales of nvfp4; other modes ignore them.
     """
+    check_head_size(head_size)
     entry = parse_kv_cache_dtype(kv_cache_dtype)
     mode = entry.mode
     if mode is KVQuantMode.NONE:

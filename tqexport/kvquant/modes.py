@@ -76,6 +76,8 @@ class KVCacheDType:
     element: str
     data_bits: int | None
     summary: str
+    #: a tqexport-native name (``tqx_*``), not one vLLM knows
+    native: bool = False
 
     @property
     def is_turboquant(self) -> bool:
@@ -83,7 +85,7 @@ class KVCacheDType:
 
 
 def _entry(name, mode, element, bits, summary):
-    return KVCacheDType(name, mode, element, bits, summary)
+    return KVCacheDType(name, mode, element, bits, summary, native=name.startswith("tqx_"))
 
 
 _M = KVQuantMode

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from tqexport.errors import TQExportError
+from tqexport.kvquant.bits import E4M3, fp8_encode, fp16_bytes
 from tqexport.kvquant.packing import packed_bytes
 
 #: Bumped whenever the byte layout below changes; recorded in every spec.
@@ -297,5 +298,58 @@ def thresholds(cents: torch.Tensor) -> torch.Tensor:
 
 
 def centroid_index(y: torch.Tensor, thresh: torch.Tensor) -> torch.Tensor:
-    """Index of the centroid for rotated coordinates: how many thresholds are <= y (ties up)."""
-    return torch.bucketize(y, thresh, right=True, out_int32=True)
+    """Index of the centroid for rotated coordinates: how many thresholds are <= y (ties up).
+    A NaN coordinate compares false with every threshold: index 0, as vLLM's binary search."""
+    idx = torch.bucketize(y, thresh, right=True, out_int32=True)
+    return torch.where(y.isnan(), torch.zeros_like(idx), idx)
+
+
+# ---------------------------------------------------------------------------------------------
+# Store rules for NaN and inf, those of vLLM's store kernel (checked by `make vllm-parity`).
+# Finite inputs are unaffected. fp16 fields (norm, scale, zero) store a NaN as FP16_NAN and
+# +-inf as +-inf; fp8 keys store NaN as E4M3_NAN and saturate +-inf to +-448.
+
+#: fp16 bits of a NaN norm/scale/zero: the quiet NaN that fp32 NaN rounds to (sign dropped).
+FP16_NAN = 0x7E00
+#: e4m3 bits of a NaN key element: the canonical NaN of the GPU's saturating cast (sign dropped).
+E4M3_NAN = 0x7F
+#: smallest stored value scale; a NaN scale (an all-NaN head) is stored as this too.
+VALUE_MIN_SCALE = 1e-8
+
+
+def fp16_field(x: torch.Tensor) -> torch.Tensor:
+    """[...] float -> [..., 2] little-endian fp16 bytes, NaN as :data:`FP16_NAN`."""
+    b = fp16_bytes(x)
+    nan = x.isnan()
+    lo = torch.where(nan, FP16_NAN & 255, b[..., 0])
+    return torch.stack([lo, torch.where(nan, FP16_NAN >> 8, b[..., 1])], dim=-1)
+
+
+def fp8_key_bytes(k: torch.Tensor) -> torch.Tensor:
+    """e4m3 key bytes (saturating, nearest even), NaN as :data:`E4M3_NAN`."""
+    return torch.where(k.isnan(), E4M3_NAN, fp8_encode(k, E4M3))
+
+
+def value_range(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) over the last dim ignoring NaN elements; NaN for an all-NaN vector."""
+    nan = v.isnan()
+    inf = torch.full_like(v, float("inf"))
+    lo = torch.where(nan, inf, v).amin(-1)
+    hi = torch.where(nan, -inf, v).amax(-1)
+    none = nan.all(-1)
+    return torch.where(none, float("nan"), lo), torch.where(none, float("nan"), hi)
+
+
+def quantize_values(v: torch.Tensor, bits: int):
+    """Uniform codes ``[..., n]`` (float, 0..2^bits-1), scale and zero (= min) ``[...]``.
+
+    ``code = clamp(floor((v - min) / scale + 1/2))``, ``scale = max((max - min) / levels, 1e-8)``
+    where a NaN scale becomes 1e-8 and a NaN code 0 (vLLM's comparisons and int conversion).
+    """
+    levels = 2**bits - 1
+    lo, hi = value_range(v)
+    scale = (hi - lo) / levels
+    scale = torch.where(scale > VALUE_MIN_SCALE, scale, VALUE_MIN_SCALE)
+    codes = ((v - lo.unsqueeze(-1)) / scale.unsqueeze(-1) + 0.5).floor()
+    codes = torch.where(codes.isnan(), 0.0, codes).clamp(0, levels)
+    return codes, scale, lo

@@ -22,7 +22,9 @@ from tqexport.kvquant.codecs import Codec, Fp8PerTensorCodec, TurboQuantCodec, U
 
 @triton.jit
 def _store_fp16_bytes(ptr, x):
+    """fp16 bytes of x; a NaN as 0x7E00 (tq.FP16_NAN), whatever NaN the cast gives."""
     bits = x.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
+    bits = tl.where(x != x, 0x7E00, bits)
     tl.store(ptr, (bits & 255).to(tl.uint8))
     tl.store(ptr + 1, (bits >> 8).to(tl.uint8))
 
@@ -33,7 +35,9 @@ def _fp8_bits(x, MBITS: tl.constexpr, BIAS: tl.constexpr, LIMIT: tl.constexpr):
 
     Written out (instead of ``.to(tl.float8e4nv)``) so the interpreter and the GPU produce the
     same bytes: the interpreter's fp8 cast does not round like the hardware's cvt.rn.
+    A NaN gives 0x7F (tq.E4M3_NAN for e4m3).
     """
+    nan = x != x
     x = tl.minimum(tl.maximum(x, -LIMIT), LIMIT)
     u = x.to(tl.int32, bitcast=True)
     sign = (u >> 31) & 1
@@ -44,8 +48,8 @@ def _fp8_bits(x, MBITS: tl.constexpr, BIAS: tl.constexpr, LIMIT: tl.constexpr):
     scaled = tl.abs(x) * (2.0 ** (BIAS - 1 + MBITS))  # in subnormal steps
     sub = ((scaled + 8388608.0) - 8388608.0).to(tl.int32)  # round half to even
     min_normal: tl.constexpr = 2.0 ** (1 - BIAS)
-    bits = tl.where(tl.abs(x) >= min_normal, normal, sub)
-    return (bits + sign * 128).to(tl.uint8)
+    bits = tl.where(tl.abs(x) >= min_normal, normal, sub) + sign * 128
+    return tl.where(nan, 127, bits).to(tl.uint8)
 
 
 @triton.jit
@@ -103,7 +107,9 @@ def _turboquant_write(
     NG: tl.constexpr,
 ):  # fmt: skip
     """Encode and pack one (token, kv head) into its slot: the body of both entry points.
-    Values are quantized in NG groups (1 = vLLM), each with an fp16 (scale, zero) pair."""
+    Values are quantized in NG groups (1 = vLLM), each with an fp16 (scale, zero) pair.
+    NaN and inf follow the reference (tq.quantize_values): min/max skip NaN elements, a NaN
+    scale is stored as 1e-8, a NaN code as 0; a NaN coordinate passes no threshold (code 0)."""
     t = pid // H
     h = pid % H
     offs = tl.arange(0, D)
@@ -127,8 +133,10 @@ def _turboquant_write(
     vg = tl.reshape(v, (NG, GS))
     lo = tl.min(vg, axis=1)
     hi = tl.max(vg, axis=1)
-    scale = tl.maximum((hi - lo) / levels, 1e-8)
+    scale = (hi - lo) / levels
+    scale = tl.where(scale > 1e-8, scale, 1e-8)
     codes = tl.floor((vg - lo[:, None]) / scale[:, None] + 0.5)
+    codes = tl.where(codes == codes, codes, 0.0)
     codes = tl.minimum(tl.maximum(codes, 0.0), levels).to(tl.int32)
     _store_packed(base + VAL_OFF, tl.reshape(codes, (D,)), VAL_BITS, D)
     pair = tl.arange(0, NG) * 4
