@@ -183,6 +183,49 @@ def corrupt(tmp_path, artifacts, edit):
             ),
             "differs from the spec embedded",
         ),
+        (  # the top-level block size sizes every block table: it must be the layers'
+            lambda d: (d / "tqexport.json").write_text(
+                (d / "tqexport.json")
+                .read_text()
+                .replace('  "block_size": 16,\n  "request"', '  "block_size": 32,\n  "request"')
+            ),
+            "differs from the spec's block_size 32",
+        ),
+        (
+            lambda d: (d / "tqexport.json").write_text(
+                (d / "tqexport.json")
+                .read_text()
+                .replace('"num_kv_heads": 2', '"num_kv_heads": null')
+            ),
+            r"'num_kv_heads' must be an integer in 1\.\.1024, got null",
+        ),
+        (
+            lambda d: (d / "tqexport.json").write_text(
+                (d / "tqexport.json").read_text().replace('"head_size": 64', '"head_size": 65536')
+            ),
+            r"'head_size' must be an integer in 1\.\.1024, got 65536",
+        ),
+        (
+            lambda d: (d / "tqexport.json").write_bytes(
+                b"\xff" + (d / "tqexport.json").read_bytes()
+            ),
+            "not UTF-8 text",
+        ),
+        (  # external data must stay in the artifact's own weights file
+            lambda d: (d / "model.onnx").write_bytes(
+                (
+                    m := onnx.load(str(d / "model.onnx"), load_external_data=False),
+                    next(
+                        e
+                        for t in m.graph.initializer
+                        for e in t.external_data
+                        if e.key == "location"
+                    ).__setattr__("value", "/etc/passwd"),
+                    m.SerializeToString(),
+                )[2]
+            ),
+            "refusing to read outside the artifact",
+        ),
     ],
 )
 def test_damaged_artifacts_fail_clearly(tmp_path, artifacts, edit, message):

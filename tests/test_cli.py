@@ -110,3 +110,400 @@ def test_unsupported_architecture(tmp_path):
     r = run("plan", str(tmp_path))
     assert r.returncode == 2
     assert "unsupported architecture 'gpt2'" in r.stderr and "LlamaForCausalLM" in r.stderr
+
+
+# --- issue 13: user text printed literally, one-line usage errors, every argument validated ---
+
+
+def one_error_line(stderr: str, message: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+def main_inproc(capsys, *args):
+    """``tqexport ARGS`` in this process (the heavy imports are paid once): (code, out, err)."""
+    from tqexport.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def test_markup_and_emoji_codes_in_user_text_print_literally():
+    r = run("plan", "[/x]")
+    assert r.returncode == 2
+    assert "'[/x]' not found" in one_error_line(r.stderr, "not found")
+    r = run("plan", "tiny-llama", "--skip-layers", "boundary:100")
+    assert r.returncode == 2
+    line = one_error_line(r.stderr, "boundary:100:")
+    assert "\N{HUNDRED POINTS SYMBOL}" not in line
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["run", "x", "--max-tokens", "abc"], "Invalid value for '--max-tokens'"),
+        (["run"], "Missing argument"),
+        (["build", "tiny-llama"], "Missing option '-o'"),
+        (["plan", "tiny-llama", "--bogus"], "No such option: --bogus"),
+    ],
+)
+def test_usage_errors_are_one_line_exit_2(args, message):
+    r = run(*args)
+    assert r.returncode == 2
+    line = one_error_line(r.stderr, message)
+    assert f"(see tqexport {args[0]} --help)" in line
+    assert r.stdout == ""
+
+
+def test_help_exits_0_and_no_args_shows_help():
+    r = run("--help")
+    assert r.returncode == 0 and "plan" in r.stdout and r.stderr == ""
+    r = run("run", "--help")
+    assert r.returncode == 0 and "--max-tokens" in r.stdout
+    r = run()
+    assert r.returncode == 2 and "Usage" in r.stdout and "Traceback" not in r.stderr
+
+
+def test_typer_exit_code_passes_through(monkeypatch, capsys):
+    import typer
+
+    import tqexport.cli as cli
+
+    fake = typer.Typer()
+
+    @fake.command()
+    def parity():
+        raise typer.Exit(1)
+
+    @fake.command()
+    def other():
+        pass
+
+    monkeypatch.setattr(cli, "app", fake)
+    assert main_inproc(capsys, "parity")[0] == 1
+    assert main_inproc(capsys, "other")[0] == 0
+
+
+NOWHERE = "no/such/artifact"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["run", NOWHERE, "--prompt", "hi", "--temperature", "nan"], "--temperature must be a fin"),
+        (["run", NOWHERE, "--prompt", "hi", "--temperature", "-1"], "--temperature must be >= 0"),
+        (["run", NOWHERE, "--prompt", "hi", "--temperature", "inf"], "--temperature must be a fin"),
+        (["run", NOWHERE, "--prompt", "hi", "--temperature", "1e-9"], "0 (greedy) or >= 1e-05"),
+        (["run", NOWHERE, "--prompt", "hi", "--top-p", "0"], "--top-p must be > 0 and <= 1"),
+        (["run", NOWHERE, "--prompt", "hi", "--top-p", "1.5"], "--top-p must be > 0 and <= 1"),
+        (["run", NOWHERE, "--prompt", "hi", "--top-k", "-1"], "--top-k must be >= 0"),
+        (["run", NOWHERE, "--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+        (["run", NOWHERE, "--prompt", "hi", "--max-num-batched-tokens", "0"],
+         "--max-num-batched-tokens must be from 1"),
+        (["run", NOWHERE, "--prompt", "hi", "--max-num-seqs", "0"], "--max-num-seqs must be"),
+        (["run", NOWHERE, "--prompt", "hi", "--max-num-seqs", "-1"], "--max-num-seqs must be"),
+        (["run", NOWHERE, "--prompt", "hi", "--seed", "-1"], "--seed must be from 0 to 4294967295"),
+        (["run", NOWHERE, "--prompt", "hi", "--seed", str(2**64)], "--seed must be from 0"),
+        (["run", NOWHERE, "--prompt", "hi", "--num-blocks", "1"], "--num-blocks must be from 2"),
+        (["run", NOWHERE, "--prompt", "hi", "--num-blocks", str(2**40)], "--num-blocks must be"),
+        (["run", NOWHERE, "--prompt", "hi", "--kv-cache-memory", "12XB"],
+         "--kv-cache-memory: cannot read '12XB'"),
+        (["run", NOWHERE, "--prompt", "hi", "--kv-cache-memory", "0"], "must be a positive size"),
+        (["run", NOWHERE, "--prompt", "hi", "--backend", "cuda"], "--backend must be one of ort"),
+        (["run", NOWHERE, "--prompt", " "], "--prompt is empty"),
+        (["inspect", NOWHERE, "--max-num-seqs", "-1"], "--max-num-seqs must be from 1"),
+        (["inspect", NOWHERE, "--num-blocks", "0"], "--num-blocks must be from 2"),
+        (["inspect", NOWHERE, "--kv-cache-memory", "lots"], "--kv-cache-memory: cannot read"),
+        (["parity", NOWHERE, "--steps", "-1"], "--steps must be from 0"),
+        (["parity", NOWHERE, "--prompt-len", "0"], "--prompt-len must be from 1"),
+        (["parity", NOWHERE, "--batch", "0"], "--batch must be from 1"),
+        (["parity", NOWHERE, "--seed", str(2**64)], "--seed must be from 0"),
+        (["plan", "tiny-llama", "--block-size", "0"], "--block-size must be >= 1"),
+        (["plan", "tiny-llama", "--block-size", "24"], "--block-size must be a power of two"),
+        (["plan", "tiny-llama", "--block-size", "512"], "from 1 to 256"),
+        (["plan", "tiny-llama", "--kv-recent-window", "-1"], "--kv-recent-window must be from 0"),
+        (["engine", NOWHERE, "--max-blocks", "1"], "--max-blocks must be from 2"),
+        (["engine", NOWHERE, "--max-batch", "0"], "--max-batch must be from 1"),
+        (["bench", "speed", "tiny-llama", "--steps", "0"], "--steps must be from 1"),
+        (["bench", "speed", "tiny-llama", "--contexts", "99999999"], "--contexts values must be"),
+        (["bench", "speed", "tiny-llama", "--batches", "0"], "--batches must be positive"),
+        (["bench", "quality", "tiny-llama", "--chunk", "1"], "--chunk must be from 2"),
+        (["bench", "quality", "tiny-llama", "--chunks", "0"], "--chunks must be from 1"),
+        (["bench", "report", "tiny-llama", "-o", NOWHERE, "--contexts", "x"], "--contexts must"),
+    ],
+)  # fmt: skip
+def test_every_argument_is_validated_before_any_work(capsys, args, message):
+    code, out, err = main_inproc(capsys, *args)
+    assert code == 2, err
+    line = one_error_line(err, message)
+    assert "not found" not in line  # refused before the artifact or model was looked at
+    assert out == ""
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1", "0"])
+def test_build_refuses_non_finite_kv_scales_and_writes_nothing(capsys, tmp_path, value):
+    from tqexport.errors import TQExportError
+    from tqexport.export.artifact import parse_kv_scales
+
+    with pytest.raises(TQExportError, match="positive finite number"):
+        parse_kv_scales(value)
+    out = tmp_path / "art"
+    code, _, err = main_inproc(capsys, "build", "tiny-llama", "-o", out, "--kv-cache-dtype",
+                               "fp8", f"--kv-scales={value}")  # fmt: skip
+    assert code == 2
+    one_error_line(err, "--kv-scales must be a positive finite number")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_speed_validates_every_dtype_before_building(capsys, tmp_path):
+    work = tmp_path / "bench"
+    code, _, err = main_inproc(capsys, "bench", "speed", "tiny-llama", "--kv-cache-dtype",
+                               "fp8,fp9", "--workdir", work)  # fmt: skip
+    assert code == 2
+    one_error_line(err, "unknown kv-cache dtype 'fp9'")
+    assert not work.exists()  # not even the auto artifact was built
+
+
+def test_malicious_pickle_checkpoint_is_one_line_naming_the_file(tmp_path):
+    import os
+
+    import torch
+
+    from tqexport.models import builtins
+
+    src = tmp_path / "evil"
+    src.mkdir()
+    builtins.tiny_config("tiny-llama").save_pretrained(src)
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    torch.save({"x": Evil()}, src / "pytorch_model.bin")
+    out = tmp_path / "out"
+    r = run("build", str(src), "-o", str(out))
+    assert r.returncode == 2
+    line = one_error_line(r.stderr, str(src / "pytorch_model.bin"))
+    assert "refused to unpickle" in line and "posix.system" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["evil"]  # nothing written, not run
+
+
+# --- `run` with a tokenizer: tiny artifacts have none, so a byte-level one is written in ---
+
+
+def write_tokenizer(d, chat_template=None):
+    """A byte-level BPE tokenizer of exactly 256 tokens (tiny-llama's vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(d / "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": alphabet[1],
+           "eos_token": alphabet[2]}  # fmt: skip
+    if chat_template is not None:
+        cfg["chat_template"] = chat_template
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.fixture
+def served(artifacts, tmp_path):
+    """A copy of the tiny-llama fp8 artifact with a tokenizer (and chat template) written in."""
+    import shutil
+
+    def make(chat_template=None, name="art"):
+        d = tmp_path / name
+        shutil.copytree(artifacts("tiny-llama", "fp8"), d)
+        return write_tokenizer(d, chat_template)
+
+    return make
+
+
+def test_run_prints_prompts_with_markup_and_escapes_literally(served, tmp_path, capsys):
+    art = served()
+    f = tmp_path / "prompts.txt"
+    f.write_text("hello [/x] \x1b[31mred\n[bold]two[/bold] :100:\n")
+    code, out, err = main_inproc(capsys, "run", art, "--prompts-file", f, "--max-tokens", "3")
+    assert code == 0, err
+    assert "hello [/x] \\x1b[31mred" in out and "[bold]two[/bold] :100:" in out
+    assert "\x1b" not in out and "\N{HUNDRED POINTS SYMBOL}" not in out
+    code, out, err = main_inproc(capsys, "run", art, "--prompts-file", f, "--max-tokens", "3",
+                                 "--json")  # fmt: skip
+    assert code == 0
+    results = json.loads(out)["results"]
+    assert [r["prompt"] for r in results] == ["hello [/x] \x1b[31mred", "[bold]two[/bold] :100:"]
+    assert all(len(r["token_ids"]) == 3 for r in results)
+
+
+def test_run_refuses_a_binary_prompts_file(served, tmp_path, capsys):
+    f = tmp_path / "prompts.bin"
+    f.write_bytes(b"ok\n\xff\xfe\x00binary")
+    code, out, err = main_inproc(capsys, "run", served(), "--prompts-file", f)
+    assert code == 2 and out == ""
+    one_error_line(err, f"--prompts-file {f} is not UTF-8 text (byte 0xff at offset 3)")
+
+
+def test_run_position_limit_rejects_up_front_and_all_rejected_exits_1(served, tmp_path, capsys):
+    art = served()  # tiny-llama: max_position_embeddings 512, one token per byte
+    f = tmp_path / "p.txt"
+    f.write_text("x" * 600 + "\nshort\n")
+    code, out, err = main_inproc(capsys, "run", art, "--prompts-file", f, "--max-tokens", "2",
+                                 "--json")  # fmt: skip
+    assert code == 0, err  # the other prompt completes
+    res = json.loads(out)["results"]
+    assert res[0]["finish_reason"].startswith("rejected: a prompt of 600 tokens exceeds the mod")
+    assert res[0]["token_ids"] == [] and len(res[1]["token_ids"]) == 2
+    assert "warning: request 0: rejected" in err and "position limit of 512" in err
+    f.write_text("x" * 600 + "\n" + "y" * 512 + "\n")
+    code, out, err = main_inproc(capsys, "run", art, "--prompts-file", f)
+    assert code == 1  # every prompt rejected
+    assert err.count("warning: request") == 2 and "Traceback" not in err
+    code, out, err = main_inproc(capsys, "run", art, "--prompt", "z" * 500, "--json")
+    assert code == 0
+    assert len(json.loads(out)["results"][0]["token_ids"]) == 12  # capped at 512 positions
+    assert "at most 12 tokens generated" in err
+
+
+def test_run_every_prompt_rejected_by_the_cache_exits_1(served, capsys):
+    code, _, err = main_inproc(capsys, "run", served(), "--prompt", "x" * 100, "--num-blocks",
+                               "3")  # fmt: skip
+    assert code == 1
+    assert "warning: request 0: rejected: a prompt of 100 tokens does not fit" in err
+
+
+def test_run_num_blocks_beyond_this_machines_memory(served, capsys, monkeypatch):
+    from tqexport import validate
+
+    monkeypatch.setattr(validate, "physical_memory", lambda: 2**30)
+    code, _, err = main_inproc(capsys, "run", served(), "--prompt", "hi", "--num-blocks",
+                               "1000000000")  # fmt: skip
+    assert code == 2
+    one_error_line(err, "--num-blocks 1000000000 needs 22.4 TiB of KV cache, more than this mach")
+
+
+@pytest.mark.parametrize(
+    "name,content,message",
+    [
+        ("tokenizer.json", "garbage{", "tokenizer.json is not valid JSON"),
+        ("tokenizer.json", '{"version": "1.0", "model": {"type": "WordLevel", "vocab": {}}}',
+         "cannot load the tokenizer"),
+        ("tokenizer_config.json", b"\xff\xfe", "tokenizer_config.json is not UTF-8 text"),
+        ("tokenizer_config.json", "[1, 2]", "tokenizer_config.json must hold a JSON object"),
+        ("generation_config.json", "{", "generation_config.json is not valid JSON"),
+        ("generation_config.json", '{"eos_token_id": "two"}', "eos_token_id must be a token id"),
+    ],
+)  # fmt: skip
+def test_run_garbage_tokenizer_files_are_one_line_naming_the_file(
+    served, capsys, name, content, message
+):
+    art = served()
+    path = art / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    code, out, err = main_inproc(capsys, "run", art, "--prompt", "hi")
+    assert code == 2 and out == ""
+    assert str(art) in one_error_line(err, message)
+
+
+def test_run_tokenizer_that_encodes_to_nothing_names_its_file(served, capsys):
+    art = served()
+    data = json.loads((art / "tokenizer.json").read_text())
+    data["model"]["vocab"] = {"a": 0}  # every byte of "hi" is unknown and dropped
+    (art / "tokenizer.json").write_text(json.dumps(data))
+    code, _, err = main_inproc(capsys, "run", art, "--prompt", "hi")
+    assert code == 2
+    one_error_line(err, f"{art / 'tokenizer.json'} encodes the prompt 'hi' to no tokens")
+
+
+def test_run_tokenizer_of_another_model_is_refused(served, capsys):
+    art = served()
+    data = json.loads((art / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    vocab["h"] = 300  # beyond tiny-llama's 256 ids
+    (art / "tokenizer.json").write_text(json.dumps(data))
+    code, _, err = main_inproc(capsys, "run", art, "--prompt", "hi")
+    assert code == 2
+    one_error_line(err, "gives token id 300 for prompt 0, outside the model's vocabulary of 256")
+
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\\n"
+    "{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        CHATML,
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+        "{{ m.content|tojson }}{% endfor %}{{ ns.n }}{{ bos_token }}{{ eos_token }}",
+        "{% for m in messages %}{% if loop.index0 > 5 %}{% break %}{% endif %}{% generation %}"
+        "{{ m['content'] | trim }}{% endgeneration %}{% endfor %}",
+        "{{ messages[0].content * 3 }}{{ '%s-%d' % ('a', 3) }}{{ '{}x'.format(4) }}"
+        "{{ 'abc'|replace('b', 'zz') }}{{ dict(a=1)|tojson }}{{ range(3)|list }}",
+    ],
+)
+def test_limited_template_renders_exactly_like_transformers(tmp_path, template):
+    from transformers import AutoTokenizer
+
+    from tqexport.runtime.text import encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(write_tokenizer(tmp_path, template))
+    messages = [{"role": "user", "content": "héllo [/x]"}]
+    ref = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ref = list(ref["input_ids"] if hasattr(ref, "keys") else ref)
+    assert encode_prompt(tok, "héllo [/x]", True, tmp_path) == ref
+
+
+@pytest.mark.parametrize(
+    "template,message",
+    [
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+         "took longer than 5 s"),
+        ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "renders more than 1048"),
+        ("{{ 'x' * 1000000000 }}", "builds a value of 1000000000 items"),
+        ("{{ 'x'|center(1000000000) }}", "passes 1000000000 to a function"),
+        ("{{ '{:>999999999}'.format(1) }}", "formats with a width of a million"),
+        ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+         "{% endfor %}{{ ns.s }}", "builds a value of 2097152 items"),
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "fails: maximum recursion depth"),
+        ("{{ ''.__class__.__mro__ }}", "fails: access to attribute '__class__'"),
+        ("{{ raise_exception('no [/x] \x1b[2J here') }}", "fails: no [/x] \\x1b[2J here"),
+        ("{% if false %}x{% endif %}", "renders nothing for the prompt 'hi'"),
+    ],
+)  # fmt: skip
+def test_hostile_chat_templates_stop_with_one_line(served, capsys, template, message):
+    import time
+
+    art = served(template)
+    t0 = time.monotonic()
+    code, out, err = main_inproc(capsys, "run", art, "--prompt", "hi")
+    assert time.monotonic() - t0 < 30
+    assert code == 2 and out == ""
+    assert f"the chat template in {art / 'tokenizer_config.json'}" in one_error_line(err, message)
+    assert "--no-chat-template" in err
+
+
+def test_hostile_chat_template_cannot_hang_the_cli(served):
+    art = served("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    r = run("run", str(art), "--prompt", "hi")  # timeout=120 in run()
+    assert r.returncode == 2
+    one_error_line(r.stderr, "took longer than 5 s; it is stopped there")
+    r = run("run", str(art), "--prompt", "hi", "--no-chat-template", "--max-tokens", "2")
+    assert r.returncode == 0, r.stderr
+
+
+def test_printable_escapes_control_characters():
+    from tqexport.validate import printable
+
+    assert printable("a\x1b[31mb\nc\u202ed\u2028") == "a\\x1b[31mb\\nc\\u202ed\\u2028"
+    assert printable("line\n\ttab\x07", keep_newlines=True) == "line\n\ttab\\x07"
+    assert printable("héllo € [/x] :100:") == "héllo € [/x] :100:"

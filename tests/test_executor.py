@@ -273,3 +273,100 @@ def test_run_prompts_file_is_one_continuous_batch(artifacts, tmp_path):
     ]
     assert data["summary"]["requests"] == 3
     assert data["summary"]["peak_kv_bytes_bf16_equivalent"] > data["summary"]["peak_kv_bytes"]
+
+
+# --- issue 13: the library validates completely, with the CLI's one-line errors ---
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(temperature=float("nan")), "temperature must be a finite number"),
+        (dict(temperature=-0.5), "temperature must be >= 0"),
+        (dict(temperature=float("inf")), "temperature must be a finite number"),
+        (dict(top_p=0.0), "top_p must be > 0 and <= 1"),
+        (dict(top_p=float("nan")), "top_p must be a finite number"),
+        (dict(top_k=-1), "top_k must be >= 0"),
+        (dict(max_tokens=0), "max_tokens must be >= 1"),
+        (dict(max_tokens=2.5), "max_tokens must be an integer"),
+        (dict(max_tokens=True), "max_tokens must be an integer"),
+        (dict(seed=2**64), "seed must be from 0 to 18446744073709551615"),
+        (dict(seed=-1), "seed must be from 0"),
+        (dict(stop_token_ids=("2",)), "stop_token_ids must be an integer"),
+    ],
+)
+def test_sampling_params_validate_completely(kwargs, message):
+    from tqexport.errors import TQExportError
+
+    with pytest.raises(TQExportError, match=message.replace("(", r"\(")):
+        SamplingParams(**kwargs)
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1  # what torch's generator takes
+
+
+def test_parse_memory_refuses_malformed_and_zero():
+    from tqexport.errors import TQExportError
+
+    assert parse_memory("1.5GiB") == 3 * 2**29 and parse_memory("2TB") == 2 * 10**12
+    for bad in ("", "lots", "12XB", "-5MiB", "1e9", "1" * 40):
+        with pytest.raises(TQExportError, match="cannot read"):
+            parse_memory(bad)
+    with pytest.raises(TQExportError, match="must be a positive size"):
+        parse_memory("0MiB")
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(max_num_seqs=0), "--max-num-seqs must be from 1"),
+        (dict(max_num_seqs=-1), "--max-num-seqs must be from 1"),
+        (dict(max_num_batched_tokens=0), "--max-num-batched-tokens must be from 1"),
+        (dict(num_blocks=1), "--num-blocks must be from 2"),
+        (dict(num_blocks=None, kv_cache_memory="0"), "must be a positive size"),
+        (dict(backend="cuda"), "backend must be one of ort, torch, trt"),
+        (dict(threads=0), "threads must be >= 1"),
+        (dict(max_model_len=0), "max_model_len must be >= 1"),
+    ],
+)
+def test_executor_validates_before_allocating(artifacts, kwargs, message):
+    from tqexport.errors import TQExportError
+
+    art = open_artifact(artifacts("tiny-llama", "fp8"))
+    with pytest.raises(TQExportError, match=message):
+        Executor(art, **{"num_blocks": 8, **kwargs})
+
+
+def test_resolve_num_blocks_validates_what_inspect_reports(artifacts):
+    from tqexport.errors import TQExportError
+    from tqexport.runtime.executor import resolve_num_blocks
+
+    art = open_artifact(artifacts("tiny-llama", "fp8"))
+    with pytest.raises(TQExportError, match="--max-num-seqs must be from 1"):
+        resolve_num_blocks(art, None, "512MiB", max_num_seqs=-1)
+    with pytest.raises(TQExportError, match="--num-blocks must be from 2"):
+        resolve_num_blocks(art, 0, None)
+    with pytest.raises(TQExportError, match="cannot read"):
+        resolve_num_blocks(art, None, "lots")
+
+
+def test_executor_refuses_caches_beyond_the_memory_limit(artifacts):
+    from tqexport.errors import TQExportError
+    from tqexport.runtime.executor import block_bytes, resolve_num_blocks
+
+    art = open_artifact(artifacts("tiny-llama", "fp8"))
+    with pytest.raises(TQExportError, match="--num-blocks 1000 needs .* more than this machine"):
+        resolve_num_blocks(art, 1000, None, memory_limit=999 * block_bytes(art))
+    assert resolve_num_blocks(art, 1000, None, memory_limit=1000 * block_bytes(art)) == [1000]
+
+
+def test_executor_rejects_prompts_beyond_the_position_limit(artifacts):
+    art = open_artifact(artifacts("tiny-llama", "fp8"))
+    ex = Executor(art, "ort", num_blocks=32, max_model_len=40)
+    fits, too_long, no_room = ex.generate(
+        [[1] * 30, [1] * 41, [1] * 36], [SamplingParams(max_tokens=10, ignore_stop=True)] * 3
+    )
+    assert len(fits.output) == 10 and fits.finish_reason == "length"
+    assert too_long.output == [] and too_long.finish_reason == (
+        "rejected: a prompt of 41 tokens exceeds the model's position limit of 40 tokens "
+        "(max_position_embeddings)"
+    )
+    assert no_room.finish_reason.startswith("rejected: a prompt of 36 tokens plus max_tokens 10")

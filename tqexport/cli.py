@@ -1,4 +1,10 @@
-"""The ``tqexport`` command line (typer). Bad input: one line on stderr, exit code 2."""
+"""The ``tqexport`` command line (typer). Bad input: one line on stderr, exit code 2.
+
+Every argument is checked (:mod:`tqexport.validate`) before any expensive work, usage errors
+(a bad type, a missing or unknown option) are one line too, and every user string (paths,
+prompts, model names, messages quoting them) is printed literally: the consoles parse no
+markup and no emoji codes, and control characters are shown escaped.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,16 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from tqexport import validate
 from tqexport.errors import TQExportError
+from tqexport.validate import printable
+
+try:  # typer >= 0.16 vendors click
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_exceptions
 
 app = typer.Typer(
     help="Per-layer quantized KV caches (vLLM kv-cache-dtype names and layouts), exported.",
@@ -20,8 +34,14 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 # Tables are wider than 80 columns; a pipe or CI log gets the full width instead of ellipses.
-console = Console(width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+# No markup, emoji codes or highlighting: user text ('[/x]', 'boundary:100:') prints as it is.
+_PLAIN = dict(markup=False, emoji=False, highlight=False)
+console = Console(width=None if sys.stdout.isatty() else 160, **_PLAIN)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160, **_PLAIN)
+
+
+def _warn(message: str) -> None:
+    err.print(Text.assemble(("warning:", "yellow"), " ", printable(message)), soft_wrap=True)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -68,8 +88,12 @@ def dtypes(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ):
     """List every kv-cache dtype: mode, bits per element, bytes per token-head (K+V, all in)."""
+    from tqexport.kvquant.codecs import MAX_HEAD_SIZE
+
     if head_size <= 0:
         raise TQExportError(f"--head-size must be positive, got {head_size}")
+    if head_size > MAX_HEAD_SIZE:
+        raise TQExportError(f"--head-size must be at most {MAX_HEAD_SIZE}, got {head_size}")
     rows = dtype_rows(head_size)
     if as_json:
         print(json.dumps({"head_size": head_size, "dtypes": rows}, indent=2))
@@ -93,7 +117,7 @@ def dtypes(
         )
     console.print(t)
     for note in notes:
-        console.print(note, highlight=False)
+        console.print(printable(note))
 
 
 SkipOption = Annotated[
@@ -138,19 +162,23 @@ def plan(
     from tqexport.models.config import describe_model
     from tqexport.resolve import resolve
 
+    validate.block_size(block_size)
+    validate.recent_window(recent_window)
     desc = describe_model(model, dtype)
     res = resolve(
         desc, kv_cache_dtype, skip_layers or [], boundary=boundary, block_size=block_size,
         recent_window=recent_window,
     )  # fmt: skip
     for w in res.warnings:
-        err.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
+        _warn(w)
     spec = res.spec
     if as_json:
         print(json.dumps(spec.plan_dict(), indent=2))
         return
     t = Table(
-        title=f"{desc.name} ({desc.architecture}, {desc.dtype}): --kv-cache-dtype {kv_cache_dtype}"
+        title=printable(
+            f"{desc.name} ({desc.architecture}, {desc.dtype}): --kv-cache-dtype {kv_cache_dtype}"
+        )
     )
     for col in (
         "layer",
@@ -176,7 +204,7 @@ def plan(
             str(la.cache.bytes_per_token),
             str(la.group),
             f"{la.recent_window} (group {la.recent_group})" if la.recent else "-",
-            la.skipped_by or "",
+            printable(la.skipped_by or ""),
         )
     console.print(t)
     groups = ", ".join(
@@ -189,7 +217,6 @@ def plan(
         f"cache groups: {groups}\n"
         f"KV bytes per token, all layers: {_fmt_bytes(spec.bytes_per_token)}; "
         f"an all-bf16 cache: {_fmt_bytes(spec.bf16_bytes_per_token)} ({ratio:.2f}x this plan)",
-        highlight=False,
     )
     if any(la.skipped_by == "turboquant boundary" for la in spec.layers):
         console.print("TurboQuant boundary layers stay unquantized; --no-boundary quantizes them.")
@@ -222,12 +249,19 @@ def build(
     ] = None,
 ):
     """Export MODEL with per-layer KV caches: model.onnx + tqexport.json + tokenizer."""
+    import time
+
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from tqexport.export.artifact import BuildOptions, build_artifact
+    from tqexport.export.artifact import BuildOptions, build_artifact, parse_kv_scales
 
     if not 21 <= opset <= 23:
         raise TQExportError(f"--opset must be 21..23 (fp8 casts need 21+), got {opset}")
+    validate.block_size(block_size)
+    validate.recent_window(recent_window)
+    parse_kv_scales(kv_scales)
+    if dtype is not None:
+        validate.choice(dtype, "--dtype", ("float32", "float16", "bfloat16"))
     options = BuildOptions(
         kv_cache_dtype=kv_cache_dtype,
         skip_layers=skip_layers or [],
@@ -246,27 +280,41 @@ def build(
         "export": "exporting ONNX",
         "save": "saving",
     }
+    # A terminal gets a live display (cleared if the build fails); a log gets the stages once,
+    # after success, so a failed build prints its error line only.
+    live = err.is_terminal
+    started: dict[str, float] = {}
     with Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err
-    ) as bar:
+        SpinnerColumn(), TextColumn("{task.description}", markup=False), TimeElapsedColumn(),
+        console=err, disable=not live,
+    ) as bar:  # fmt: skip
         current = {}
 
         def stage(name):
             for task in current.values():
                 bar.update(task, completed=1, total=1)
             current[name] = bar.add_task(labels[name], total=None)
+            started[name] = time.monotonic()
 
-        result = build_artifact(model, out, options, progress=stage)
+        try:
+            result = build_artifact(model, out, options, progress=stage)
+        except BaseException:
+            bar.live.transient = True
+            raise
         for task in current.values():
             bar.update(task, completed=1, total=1)
+    if not live:
+        ends = [*list(started.values())[1:], time.monotonic()]
+        for (name, t0), t1 in zip(started.items(), ends, strict=True):
+            err.print(f"  {labels[name]} {t1 - t0:.1f} s")
     for w in result.warnings:
-        err.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
+        _warn(w)
     spec = result.spec
     if spec.dtype == "bfloat16":
         err.print(
             "note: bfloat16 artifacts are for GPUs; ONNX Runtime's CPU provider has no bf16 MatMul."
         )
-    t = Table(title=f"built {result.out_dir}")
+    t = Table(title=printable(f"built {result.out_dir}"))
     t.add_column("kv dtype")
     t.add_column("mode")
     t.add_column("layers")
@@ -286,13 +334,11 @@ def build(
         f"KV bytes per token: {spec.bytes_per_token} (all-bf16: {spec.bf16_bytes_per_token}, "
         f"{spec.bf16_bytes_per_token / spec.bytes_per_token:.2f}x); "
         f"artifact size: {_fmt_bytes(result.size_bytes)}",
-        highlight=False,
     )
     if spec.recent_window:
         console.print(
             f"recent window: the last {spec.recent_window} tokens of each sequence also kept in "
             f"{spec.dtype}, {spec.recent_bytes_per_token} bytes per token of the window",
-            highlight=False,
         )
 
 
@@ -308,7 +354,18 @@ def parity(
     from tqexport.runtime.artifact import open_artifact
     from tqexport.runtime.parity import run_parity
 
-    report = run_parity(open_artifact(artifact), steps, prompt_len, batch, seed)
+    validate.integer(steps, "--steps", 0, MAX_PARITY_STEPS)
+    validate.integer(prompt_len, "--prompt-len", 1, MAX_PARITY_PROMPT_LEN)
+    validate.integer(batch, "--batch", 1, MAX_PARITY_BATCH)
+    validate.seed(seed)
+    art = open_artifact(artifact)
+    limit = _position_limit(art)
+    if limit is not None and prompt_len + steps > limit:
+        raise TQExportError(
+            f"--prompt-len {prompt_len} + --steps {steps} is more than the model's position "
+            f"limit of {limit} tokens; lower them"
+        )
+    report = run_parity(art, steps, prompt_len, batch, seed)
     judged = "judged" if report.logits_judged else "not judged: quantized layers, see per-layer"
     t = Table(title=f"end-to-end logits, ONNX Runtime vs torch reference ({judged})")
     for col in ("step", "max abs err", "detail", "within 1e-4"):
@@ -328,9 +385,39 @@ def parity(
         f"{len(report.layers) - len(bad)}/{len(report.layers)} layer-steps agree "
         f"({'showing failures' if bad else 'showing the last step'})"
     )
-    console.print("parity: [green]PASS[/green]" if report.ok else "parity: [red]FAIL[/red]")
+    console.print(Text.assemble("parity: ", ("PASS", "green") if report.ok else ("FAIL", "red")))
     if not report.ok:
         raise typer.Exit(1)
+
+
+#: parity's sizes: it runs every layer twice (ORT and the reference) on every step
+MAX_PARITY_STEPS, MAX_PARITY_PROMPT_LEN, MAX_PARITY_BATCH = 1024, 8192, 64
+
+
+def _position_limit(art, tokenizer=None) -> int | None:
+    """The model's position limit (``max_position_embeddings``): from the spec when it records
+    it, else the source model's config (built-ins and HF directories; reading a GGUF's metadata
+    takes seconds, so not those), else the tokenizer's ``model_max_length`` when it is set."""
+    model = art.spec.model
+
+    def positive(v):
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    if positive(model.get("max_position_embeddings")):
+        return model["max_position_embeddings"]
+    path, source = model.get("path"), str(model.get("source", ""))
+    if isinstance(path, str) and path and not source.startswith("gguf:"):
+        try:
+            from tqexport.models.config import load_config
+
+            config, _ = load_config(path)
+            cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+            if positive(getattr(cfg, "max_position_embeddings", None)):
+                return cfg.max_position_embeddings
+        except Exception:  # the source moved or changed: fall back to the tokenizer
+            pass
+    n = positive(getattr(tokenizer, "model_max_length", None))
+    return n if n is not None and n < 10**7 else None  # transformers' "unset" is ~1e30
 
 
 MemoryOptions = (
@@ -353,8 +440,13 @@ def inspect(
 ):
     """Per-layer cache allocation of an artifact, and totals vs an all-bf16 cache."""
     from tqexport.runtime.artifact import open_artifact
-    from tqexport.runtime.executor import resolve_num_blocks
+    from tqexport.runtime.executor import parse_memory, resolve_num_blocks
 
+    validate.serving(num_blocks, max_num_seqs)
+    if num_blocks is not None and kv_cache_memory is not None:
+        raise TQExportError("give --num-blocks or --kv-cache-memory, not both")
+    if kv_cache_memory is not None:
+        parse_memory(kv_cache_memory)
     art = open_artifact(artifact)
     spec = art.spec
     per_group = resolve_num_blocks(art, num_blocks, kv_cache_memory, max_num_seqs)
@@ -397,8 +489,10 @@ def inspect(
         print(json.dumps({"layers": rows, "groups": groups, "summary": summary}, indent=2))
         return
     t = Table(
-        title=f"{art.path}: {spec.model['name']} ({spec.dtype}), "
-        f"{blocks} blocks of {spec.block_size} tokens"
+        title=printable(
+            f"{art.path}: {spec.model['name']} ({spec.dtype}), "
+            f"{blocks} blocks of {spec.block_size} tokens"
+        )
     )
     for col in (
         "layer",
@@ -430,7 +524,6 @@ def inspect(
     console.print(
         f"total {_fmt_bytes(total)} for {tokens} tokens; an all-bf16 cache of the same blocks: "
         f"{_fmt_bytes(bf16)} ({bf16 / total:.2f}x)",
-        highlight=False,
     )
 
 
@@ -458,37 +551,68 @@ def run(
     chat_template: Annotated[bool, typer.Option(help="Apply the model's chat template.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print results as JSON.")] = False,
 ):
-    """Generate from an artifact: per-layer paged caches allocated from its spec."""
+    """Generate from an artifact: per-layer paged caches allocated from its spec.
+
+    A prompt that cannot run (longer than the model's position limit, or than the whole
+    cache) is rejected with a warning while the others complete; when every prompt is
+    rejected the exit code is 1. Arguments and input files are checked before anything runs."""
     import time
 
     from tqexport.runtime.artifact import open_artifact
-    from tqexport.runtime.executor import Executor
+    from tqexport.runtime.executor import Executor, parse_memory, resolve_num_blocks
     from tqexport.runtime.sequence import SamplingParams
-    from tqexport.runtime.text import StreamDecoder, encode_prompt, load_tokenizer, stop_token_ids
+    from tqexport.runtime.text import (
+        StreamDecoder,
+        encode_prompt,
+        load_tokenizer,
+        stop_token_ids,
+        tokenizer_file,
+    )
 
     if (prompt is None) == (prompts_file is None):
         raise TQExportError("give exactly one of --prompt and --prompts-file")
-    if prompts_file is not None and not prompts_file.is_file():
-        raise TQExportError(f"--prompts-file {prompts_file} not found")
-    texts = (
-        [prompt]
-        if prompt is not None
-        else [ln for ln in prompts_file.read_text().splitlines() if ln.strip()]
+    if prompt is not None and not prompt.strip():
+        raise TQExportError("--prompt is empty")
+    validate.sampling(
+        max_tokens, temperature, top_k, top_p, seed, cli=True, seed_max=validate.SEED_MAX
     )
-    if not texts:
-        raise TQExportError(f"{prompts_file} has no prompts")
+    validate.serving(num_blocks, max_num_seqs, max_num_batched_tokens, backend)
+    if num_blocks is not None and kv_cache_memory is not None:
+        raise TQExportError("give --num-blocks or --kv-cache-memory, not both")
+    if kv_cache_memory is not None:
+        parse_memory(kv_cache_memory)
+    texts = [prompt] if prompt is not None else _read_prompts(prompts_file)
     art = open_artifact(artifact)
+    # the cache size is checked against this machine's memory before anything loads
+    resolve_num_blocks(
+        art, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
+        memory_limit=validate.physical_memory(),
+    )  # fmt: skip
     tok = load_tokenizer(art.path)
     stops = stop_token_ids(art.path, tok)
-    try:
-        params = [
-            SamplingParams(max_tokens, temperature, top_k, top_p, seed + i, stops)
-            for i in range(len(texts))
-        ]
-    except ValueError as e:
-        raise TQExportError(str(e)) from None
-    ids = [encode_prompt(tok, t, chat_template) for t in texts]
-    ex = Executor(art, backend, num_blocks, kv_cache_memory, max_num_batched_tokens, max_num_seqs)
+    ids = [encode_prompt(tok, t, chat_template, art.path) for t in texts]
+    vocab = int(art.spec.model.get("vocab_size") or 0)
+    for i, x in enumerate(ids):
+        if vocab and (min(x) < 0 or max(x) >= vocab):
+            raise TQExportError(
+                f"{tokenizer_file(art.path)} gives token id {max(x)} for prompt {i}, outside "
+                f"the model's vocabulary of {vocab}: the tokenizer does not belong to this model"
+            )
+    limit = _position_limit(art, tok)
+    params = []
+    for i, x in enumerate(ids):
+        n = max_tokens
+        if limit is not None and len(x) < limit < len(x) + max_tokens:
+            n = limit - len(x)
+            _warn(
+                f"request {i}: at most {n} tokens generated, the model's position limit is "
+                f"{limit} tokens and the prompt has {len(x)}"
+            )
+        params.append(SamplingParams(n, temperature, top_k, top_p, seed + i, stops))
+    ex = Executor(
+        art, backend, num_blocks, kv_cache_memory, max_num_batched_tokens, max_num_seqs,
+        max_model_len=limit,
+    )  # fmt: skip
     stream = prompt is not None and not as_json
     decoder = StreamDecoder(tok)
 
@@ -496,7 +620,7 @@ def run(
         if stream:
             piece = decoder.push(event.seq.output)
             if piece:
-                print(piece, end="", flush=True)
+                print(printable(piece, keep_newlines=True), end="", flush=True)
 
     start = time.perf_counter()
     seqs = ex.generate(ids, params, on_token)
@@ -529,22 +653,55 @@ def run(
     ]
     if as_json:
         print(json.dumps({"results": results, "summary": summary}, indent=2))
-        return
-    if not stream:
+    elif not stream:
         for i, r in enumerate(results):
             console.rule(f"request {i} ({r['finish_reason']})")
-            console.print(r["prompt"], style="bold", highlight=False)
-            console.print(r["text"], highlight=False, markup=False)
-    for r in results:
-        if r["finish_reason"] and r["finish_reason"].startswith("rejected"):
-            err.print(f"[yellow]warning:[/yellow] {r['finish_reason']}", highlight=False)
-    err.print(
-        f"{summary['requests']} requests, {generated} tokens in {wall:.2f} s "
-        f"({summary['tokens_per_second']} tokens/s, {backend}); peak KV "
-        f"{_fmt_bytes(summary['peak_kv_bytes'])} (bf16: "
-        f"{_fmt_bytes(summary['peak_kv_bytes_bf16_equivalent'])})",
-        highlight=False,
-    )
+            console.print(printable(r["prompt"]), style="bold")
+            console.print(printable(r["text"], keep_newlines=True))
+    rejected = [
+        i for i, r in enumerate(results) if (r["finish_reason"] or "").startswith("rejected")
+    ]
+    for i in rejected:
+        _warn(f"request {i}: {results[i]['finish_reason']}")
+    if not as_json:
+        err.print(
+            f"{summary['requests']} requests, {generated} tokens in {wall:.2f} s "
+            f"({summary['tokens_per_second']} tokens/s, {backend}); peak KV "
+            f"{_fmt_bytes(summary['peak_kv_bytes'])} (bf16: "
+            f"{_fmt_bytes(summary['peak_kv_bytes_bf16_equivalent'])})",
+        )
+    if rejected and len(rejected) == len(results):
+        raise typer.Exit(1)
+
+
+#: the largest --prompts-file read (a prompt longer than any model's context is pointless)
+MAX_PROMPTS_FILE_BYTES = 256 * 2**20
+
+
+def _read_prompts(path: Path) -> list[str]:
+    """The non-blank lines of a UTF-8 prompts file, or one error naming the file."""
+    if not path.is_file():
+        raise TQExportError(f"--prompts-file {path} not found")
+    try:
+        size = path.stat().st_size
+        if size > MAX_PROMPTS_FILE_BYTES:
+            raise TQExportError(
+                f"--prompts-file {path} has {size} bytes, more than {MAX_PROMPTS_FILE_BYTES}"
+            )
+        data = path.read_bytes()
+    except OSError as e:
+        raise TQExportError(f"cannot read --prompts-file {path}: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TQExportError(
+            f"--prompts-file {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+            f"{e.start}); give one prompt per line in UTF-8"
+        ) from None
+    texts = [ln for ln in text.splitlines() if ln.strip()]
+    if not texts:
+        raise TQExportError(f"--prompts-file {path} has no prompts")
+    return texts
 
 
 bench_app = typer.Typer(
@@ -580,7 +737,7 @@ def _bench_configs(
     for n in names:
         parse_kv_cache_dtype(n)
     skip = tuple(_split(skip_layers))
-    windows = _ints(recent, "recent-window", minimum=0)
+    windows = _ints(recent, "recent-window", minimum=0, maximum=validate.MAX_RECENT_WINDOW)
     configs = []
     for n in names:
         flags = {"on": [True], "off": [False], "both": [True, False]}[boundary]
@@ -649,6 +806,10 @@ def bench_quality(
     """Perplexity, KL and top-1 agreement per kv-cache configuration, through the paged caches."""
     from tqexport.bench.report import with_deltas
 
+    validate.integer(chunk, "--chunk", 2, MAX_BENCH_CHUNK)
+    validate.integer(chunks, "--chunks", 1, MAX_BENCH_CHUNKS)
+    if text_file is not None and not text_file.is_file():
+        raise TQExportError(f"--text-file {text_file} not found")
     configs = _bench_configs(kv_cache_dtype, boundary, skip_layers, recent_window, kv_scales)
     ours, peer_result, note = _quality(target, configs, text_file, chunk, chunks, peer)
     rows = with_deltas(ours, peer_result)
@@ -662,8 +823,10 @@ def bench_quality(
 def _print_quality(ours: dict, rows: list[dict], note: str | None) -> None:
     c = ours["chunking"]
     t = Table(
-        title=f"{ours['model']}: {c['chunks']} x {c['chunk_tokens']} tokens of "
-        f"{ours['text']['name']} (sha256 {ours['text']['sha256'][:12]})"
+        title=printable(
+            f"{ours['model']}: {c['chunks']} x {c['chunk_tokens']} tokens of "
+            f"{ours['text']['name']} (sha256 {ours['text']['sha256'][:12]})"
+        )
     )
     for col in ("tool", "configuration", "bits/elem", "PPL", "vs own baseline", "KL", "top-1"):
         t.add_column(col, justify="left" if col in ("tool", "configuration") else "right")
@@ -676,10 +839,9 @@ def _print_quality(ours: dict, rows: list[dict], note: str | None) -> None:
     console.print(t)
     console.print(
         "bits/elem: all in, unquantized layers counted at 16 bits; KL = KL(baseline || run)",
-        highlight=False,
     )
     if note:
-        err.print(f"llama.cpp peer {note}", highlight=False)
+        err.print(printable(f"llama.cpp peer {note}"))
 
 
 @bench_app.command("speed")
@@ -714,7 +876,12 @@ def bench_speed(
     _print_speed(speed)
 
 
-def _ints(text: str, what: str, minimum: int = 1) -> list[int]:
+#: bench sizes: quality windows, decode contexts, batches and timed steps
+MAX_BENCH_CHUNK, MAX_BENCH_CHUNKS = 2**17, 10**5
+MAX_BENCH_CONTEXT, MAX_BENCH_BATCH, MAX_BENCH_STEPS = 2**20, 4096, 10**4
+
+
+def _ints(text: str, what: str, minimum: int = 1, maximum: int | None = None) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -722,34 +889,66 @@ def _ints(text: str, what: str, minimum: int = 1) -> list[int]:
     if not values or min(values) < minimum:
         kind = "positive integers" if minimum == 1 else f"integers >= {minimum}"
         raise TQExportError(f"--{what} must be {kind} separated by commas, got {text!r}")
+    if maximum is not None and max(values) > maximum:
+        raise TQExportError(f"--{what} values must be at most {maximum}, got {max(values)}")
     return values
+
+
+def _speed_args(contexts: str, batches: str, steps: int, recent: str):
+    ctx = _ints(contexts, "contexts", maximum=MAX_BENCH_CONTEXT)
+    bat = _ints(batches, "batches", maximum=MAX_BENCH_BATCH)
+    windows = _ints(recent, "recent-window", minimum=0, maximum=validate.MAX_RECENT_WINDOW)
+    validate.integer(steps, "--steps", 1, MAX_BENCH_STEPS)
+    return ctx, bat, windows
+
+
+def _check_speed_memory(spec, label: str, ctx: list[int], bat: list[int], steps: int) -> None:
+    """The largest decode point's caches must fit in this machine's memory."""
+    tokens = max(bat) * (max(ctx) + steps + 2 * spec.block_size)
+    need = tokens * (spec.bytes_per_token + spec.recent_bytes_per_token)
+    limit = validate.physical_memory()
+    if limit is not None and need > limit:
+        raise TQExportError(
+            f"{label}: context {max(ctx)} x batch {max(bat)} needs {_fmt_bytes(need)} of KV "
+            f"cache, more than this machine's {_fmt_bytes(limit)}; lower --contexts or --batches"
+        )
 
 
 def _speed(target, dtypes, contexts, batches, steps, budget, workdir, recent="0") -> dict:
     from tqexport.bench import speed
+    from tqexport.kvquant.modes import parse_kv_cache_dtype
     from tqexport.runtime.artifact import open_artifact
     from tqexport.runtime.executor import parse_memory
 
-    ctx, bat = _ints(contexts, "contexts"), _ints(batches, "batches")
-    windows = _ints(recent, "recent-window", minimum=0)
+    ctx, bat, windows = _speed_args(contexts, batches, steps, recent)
     parse_memory(budget, "--budget")
-    if steps < 1:
-        raise TQExportError(f"--steps must be >= 1, got {steps}")
     if Path(target).is_dir() and (Path(target) / "tqexport.json").is_file():
         art = open_artifact(target)
+        _check_speed_memory(art.spec, str(target), ctx, bat, steps)
         name = art.spec.request["kv_cache_dtype"]
         arts = {"auto": speed.artifact_for(art.spec.model["path"], "auto", workdir)}
         arts[name] = art
     else:
+        from tqexport.models.config import describe_model
+        from tqexport.resolve import resolve
+
         names = ["auto", *[n for n in _split(dtypes) or BENCH_SPEED_DTYPES if n != "auto"]]
-        arts = {}
+        for n in names:  # every name and combination first: nothing is built for a typo
+            parse_kv_cache_dtype(n)
+        desc = describe_model(target)
+        plans = {}
         for n in names:
             for w in windows if n != "auto" else [0]:
                 label = f"{n} recent {w}" if w else n
-                err.print(f"artifact {label}: building or reusing under {workdir}", highlight=False)
-                arts[label] = speed.artifact_for(target, n, workdir, w)
+                plans[label] = (n, w)
+                spec = resolve(desc, n, [], recent_window=w).spec
+                _check_speed_memory(spec, label, ctx, bat, steps)
+        arts = {}
+        for label, (n, w) in plans.items():
+            err.print(printable(f"artifact {label}: building or reusing under {workdir}"))
+            arts[label] = speed.artifact_for(target, n, workdir, w)
     return speed.measure(
-        arts, ctx, bat, steps, budget, progress=lambda what: err.print(what, highlight=False)
+        arts, ctx, bat, steps, budget, progress=lambda what: err.print(printable(what))
     )
 
 
@@ -766,7 +965,7 @@ def _print_speed(speed: dict) -> None:
             *[f"{r['speed_vs_auto'][n]:.2f}x" for n in names[1:]],
         )  # fmt: skip
     console.print(t)
-    m = Table(title=f"KV memory at a {speed['budget']} budget")
+    m = Table(title=printable(f"KV memory at a {speed['budget']} budget"))
     for col in ("kv dtype", "KV bytes/token", "resident tokens", "vs auto", "bytes ratio"):
         m.add_column(col, justify="right")
     for x in speed["memory"]:
@@ -802,6 +1001,8 @@ def bench_report(
     from tqexport.bench import report
     from tqexport.kvquant.modes import parse_kv_cache_dtype
 
+    validate.integer(chunks, "--chunks", 1, MAX_BENCH_CHUNKS)
+    _speed_args(contexts, batches, 4, "0,32")
     if quality_json:
         parts = []
         for path in quality_json:
@@ -840,8 +1041,8 @@ def bench_report(
     _print_speed(speed)
     for g in results["goals"]:
         verdict = {True: "MET", False: "NOT MET", None: "NOT MEASURED"}[g["met"]]
-        console.print(f"{g['goal']}: {verdict} ({g['detail']})", highlight=False)
-    console.print("wrote " + ", ".join(str(f) for f in files), highlight=False)
+        console.print(printable(f"{g['goal']}: {verdict} ({g['detail']})"))
+    console.print(printable("wrote " + ", ".join(str(f) for f in files)))
 
 
 @app.command()
@@ -854,21 +1055,42 @@ def engine(
     """Build a TensorRT engine (engine.plan) into ARTIFACT: needs tensorrt>=10.9 and a GPU."""
     from tqexport.export.trt import build_engine
 
+    validate.integer(max_batch, "--max-batch", 1, validate.MAX_NUM_SEQS)
+    validate.integer(
+        max_num_batched_tokens, "--max-num-batched-tokens", 1, validate.MAX_NUM_BATCHED_TOKENS
+    )
+    validate.integer(max_blocks, "--max-blocks", 2, validate.MAX_NUM_BLOCKS)
     out = build_engine(artifact, max_batch, max_num_batched_tokens, max_blocks)
-    console.print(f"wrote {out} ({_fmt_bytes(out.stat().st_size)})", highlight=False)
+    console.print(printable(f"wrote {out} ({_fmt_bytes(out.stat().st_size)})"))
 
 
-def _ok(ok: bool) -> str:
-    return "[green]yes[/green]" if ok else "[red]NO[/red]"
+def _ok(ok: bool) -> Text:
+    return Text("yes", style="green") if ok else Text("NO", style="red")
 
 
-def main() -> None:
-    """Console entry point: user errors become one line on stderr and exit code 2."""
+def _error(message: str, code: int = 2):
+    """The one line every user error prints: ``error: <problem and fix>``."""
+    text = printable(message).strip() or "unknown error"
+    err.print(Text.assemble(("error:", "red"), " ", text), soft_wrap=True)
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: user errors, usage errors included, become one line on stderr and
+    exit code 2; ``--help`` exits 0; parity's mismatch exits 1."""
     try:
-        app()
+        rv = app(args=argv, prog_name="tqexport", standalone_mode=False)
     except TQExportError as e:
-        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
-        sys.exit(2)
+        _error(str(e))
+    except click_exceptions.ClickException as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # typer printed the help already
+            sys.exit(2)
+        ctx = getattr(e, "ctx", None)
+        path = ctx.command_path if ctx is not None else "tqexport"
+        _error(f"{e.format_message()} (see {path} --help)", 2 if e.exit_code == 2 else 1)
+    except (click_exceptions.Abort, typer.Abort):
+        _error("aborted", 1)
+    sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
 
 
 if __name__ == "__main__":

@@ -63,8 +63,8 @@ def parse_kv_scales(value: str) -> float | None:
         scale = float(value)
     except ValueError:
         raise TQExportError(f"--kv-scales must be a number or 'calibrate', got {value!r}") from None
-    if not scale > 0:
-        raise TQExportError(f"--kv-scales must be positive, got {value}")
+    if not 0 < scale < float("inf"):  # also refuses nan: tqexport.json must stay JSON
+        raise TQExportError(f"--kv-scales must be a positive finite number, got {value}")
     return scale
 
 

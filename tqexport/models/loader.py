@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +78,18 @@ def _load_dir(path: Path, dtype: torch.dtype):
     return model, tok, gen
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _checkpoint_files(root: Path) -> list[Path]:
+    """The pickle checkpoints of an HF directory (what transformers torch.loads)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+
+
 def load_model(name: str, dtype: str | None = None) -> LoadedModel:
     """Load MODEL for export: weights, tokenizer, generation config, and its description."""
     from transformers import AutoModelForCausalLM
@@ -92,13 +105,33 @@ def load_model(name: str, dtype: str | None = None) -> LoadedModel:
         tok, gen = None, model.generation_config
     else:
         path = builtins.smollm2_gguf() if name == "smollm2" else Path(name)
+        root = path if path.is_dir() or path.suffix == ".gguf" else path.parent
         try:
             if path.suffix == ".gguf":
                 model, tok, gen = _load_gguf(path, torch_dtype)
             else:
-                model, tok, gen = _load_dir(path if path.is_dir() else path.parent, torch_dtype)
-        except (OSError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise TQExportError(f"cannot load the weights of {name}: {first}") from None
+                model, tok, gen = _load_dir(root, torch_dtype)
+        except TQExportError:
+            raise
+        except pickle.UnpicklingError as e:
+            # torch.load(weights_only=True) refused a pickle: it names a global it would run
+            files = _checkpoint_files(root) or [root]
+            reason = [ln for ln in str(e).splitlines() if "GLOBAL" in ln or "Unsupported" in ln]
+            raise TQExportError(
+                f"cannot load the weights of {name}: {', '.join(str(f) for f in files)} is not a "
+                f"plain PyTorch checkpoint, torch refused to unpickle it "
+                f"({(reason or [_first_line(e)])[0].strip()}); only load it if you trust it, "
+                "or convert it to safetensors"
+            ) from None
+        except (OSError, ValueError, RuntimeError, EOFError) as e:
+            # a truncated or damaged file: torch, safetensors, json and transformers raise these
+            raise TQExportError(f"cannot load the weights of {name}: {_first_line(e)}") from None
+        except Exception as e:
+            if type(e).__name__ != "SafetensorError":
+                raise
+            raise TQExportError(
+                f"cannot load the weights of {name}: a safetensors file is damaged "
+                f"({_first_line(e)})"
+            ) from None
     model.eval()
     return LoadedModel(model, desc, tok, gen)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +11,10 @@ import onnx
 from tqexport.errors import TQExportError
 from tqexport.export.artifact import MODEL_FILE, SPEC_FILE, WEIGHTS_FILE
 from tqexport.export.onnx import read_spec_metadata
-from tqexport.spec import ModelSpec, SpecError
+from tqexport.spec import MAX_SPEC_BYTES, ModelSpec, SpecError, parse_spec_json
+
+#: digits of an external-data offset or length (2^64 has 20)
+_MAX_OFFSET_DIGITS = 20
 
 
 @dataclass
@@ -33,7 +36,13 @@ def open_artifact(path: str | Path) -> Artifact:
     if not spec_file.is_file():
         raise TQExportError(f"{root} has no {SPEC_FILE}; is it a tqexport artifact?")
     try:
-        spec = ModelSpec.from_json(spec_file.read_text())
+        with spec_file.open("rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)  # the loader refuses more; never read it all
+    except OSError as e:
+        raise TQExportError(f"{spec_file} cannot be read ({e.strerror})") from None
+    try:
+        data = parse_spec_json(raw)
+        spec = ModelSpec.from_dict(data)
     except SpecError as e:
         raise TQExportError(f"{spec_file}: {e}") from None
     model_file = root / MODEL_FILE
@@ -46,11 +55,15 @@ def open_artifact(path: str | Path) -> Artifact:
             f"{model_file} is not a readable ONNX model ({type(e).__name__}); "
             "it may be truncated, rebuild the artifact"
         ) from None
+    need = _check_external_data(graph, root, model_file)
     _check_io(spec, graph, model_file)
-    embedded = json.loads(read_spec_metadata(graph))
-    if embedded != json.loads(spec_file.read_text()):
+    try:
+        embedded = parse_spec_json(read_spec_metadata(graph))
+    except SpecError as e:
+        raise TQExportError(f"{model_file}: its embedded spec: {e}") from None
+    if embedded != data:
         raise TQExportError(f"{spec_file} differs from the spec embedded in {MODEL_FILE}")
-    _check_weights(graph, root)
+    _check_weights(root, need)
     return Artifact(root, spec)
 
 
@@ -71,19 +84,81 @@ def _check_io(spec: ModelSpec, graph: onnx.ModelProto, model_file: Path) -> None
                 f"{missing[:3] or 'order'}); the spec and graph come from different builds"
             )
         for w, g in zip(want, got, strict=True):
-            elem = onnx.helper.tensor_dtype_to_np_dtype(g.type.tensor_type.elem_type)
+            try:
+                elem = onnx.helper.tensor_dtype_to_np_dtype(g.type.tensor_type.elem_type)
+            except (KeyError, ValueError, TypeError):
+                elem = f"element type {g.type.tensor_type.elem_type}"
             if str(elem) != w["dtype"]:
                 raise TQExportError(
                     f"{model_file}: {g.name} is {elem} in the graph but {w['dtype']} in the spec"
                 )
 
 
-def _check_weights(graph: onnx.ModelProto, root: Path) -> None:
+def _tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor of the model that may hold data: initializers, sparse initializers and
+    tensor attributes of nodes, in the graph, its subgraphs and the model's functions."""
+    graphs = [model.graph]
+    nodes = [n for f in model.functions for n in f.node]
+    while graphs or nodes:
+        if graphs:
+            g = graphs.pop()
+            yield from g.initializer
+            for sp in g.sparse_initializer:
+                yield from (sp.values, sp.indices)
+            nodes.extend(g.node)
+            continue
+        for a in nodes.pop().attribute:
+            if a.HasField("t"):
+                yield a.t
+            yield from a.tensors
+            for sp in [a.sparse_tensor] * a.HasField("sparse_tensor") + list(a.sparse_tensors):
+                yield from (sp.values, sp.indices)
+            if a.HasField("g"):
+                graphs.append(a.g)
+            graphs.extend(a.graphs)
+
+
+def _check_external_data(graph: onnx.ModelProto, root: Path, model_file: Path) -> int:
+    """Every external tensor lives in the artifact's own weights file: refuse any other location
+    (absolute, ``..``, another file) before anything follows it. Returns the bytes needed."""
     need = 0
-    for init in graph.graph.initializer:
-        info = {e.key: e.value for e in init.external_data}
-        if info:
-            need = max(need, int(info.get("offset", 0)) + int(info.get("length", 0)))
+    for t in _tensors(graph):
+        if not t.external_data and t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        location = info.get("location")
+        if location != WEIGHTS_FILE:
+            raise TQExportError(
+                f"{model_file}: tensor {t.name[:80]!r} keeps its data at {location!r:.120}, not "
+                f"in the artifact's {WEIGHTS_FILE}; refusing to read outside the artifact, "
+                "rebuild it"
+            )
+        ends = []
+        for key in ("offset", "length"):
+            text = info.get(key, "0")
+            if not (text.isascii() and text.isdigit() and len(text) <= _MAX_OFFSET_DIGITS):
+                raise TQExportError(
+                    f"{model_file}: tensor {t.name[:80]!r} has external-data {key} "
+                    f"{text!r:.40}, not a byte count; rebuild the artifact"
+                )
+            ends.append(int(text))
+        need = max(need, sum(ends))
+    data = root / WEIGHTS_FILE
+    if need and data.is_symlink():
+        try:
+            target = data.resolve()
+            inside = target.parent == root.resolve()
+        except (OSError, RuntimeError):  # a link loop
+            target, inside = "a link loop", False
+        if not inside:
+            raise TQExportError(
+                f"{data} is a link to {str(target)[:200]!r}, outside the artifact; copy the file "
+                "in or rebuild the artifact"
+            )
+    return need
+
+
+def _check_weights(root: Path, need: int) -> None:
     if need:
         data = root / WEIGHTS_FILE
         if not data.is_file() or data.stat().st_size < need:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tqexport import validate
 from tqexport.errors import TQExportError
 from tqexport.runtime.artifact import Artifact
 from tqexport.runtime.blocks import BlockManager
@@ -23,18 +24,33 @@ _UNITS = {
     "KIB": 2**10,
     "MIB": 2**20,
     "GIB": 2**30,
+    "TIB": 2**40,
     "KB": 10**3,
     "MB": 10**6,
     "GB": 10**9,
+    "TB": 10**12,
 }
 
 
 def parse_memory(text: str, option: str = "--kv-cache-memory") -> int:
-    """'512MiB' -> bytes; ``option`` names the flag in the error."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, re.IGNORECASE)
+    """'512MiB' -> bytes (a positive size); ``option`` names the flag in the error."""
+    m = re.fullmatch(r"\s*(\d{1,15}(?:\.\d{1,15})?)\s*([KMGT]i?B|B)?\s*", str(text), re.I)
     if not m:
-        raise TQExportError(f"{option}: cannot read {text!r}; write e.g. 512MiB or 2GiB")
-    return int(float(m[1]) * _UNITS[(m[2] or "").upper()])
+        raise TQExportError(
+            f"{option}: cannot read {str(text)!r}; write e.g. 512MiB or 2GiB (units B, KiB, MiB, "
+            "GiB, TiB, KB, MB, GB, TB)"
+        )
+    n = int(float(m[1]) * _UNITS[(m[2] or "").upper()])
+    if n < 1:
+        raise TQExportError(f"{option} must be a positive size, got {text!r}")
+    return n
+
+
+def _fmt_size(n: int) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 def block_bytes(artifact: Artifact) -> int:
@@ -48,12 +64,18 @@ def resolve_num_blocks(
     memory: str | None,
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 512,
+    memory_limit: int | None = None,
 ) -> list[int]:
     """Blocks per cache group. The layers' own caches get ``num_blocks`` (or what the memory
-    budget leaves after the recent-window caches, which need only their window per sequence)."""
+    budget leaves after the recent-window caches, which need only their window per sequence).
+
+    ``memory_limit``: bytes the caches may take at most (the executor passes this machine's
+    RAM, its caches live in host memory); ``None`` only bounds the block count."""
     spec = artifact.spec
     if num_blocks is not None and memory is not None:
         raise TQExportError("give --num-blocks or --kv-cache-memory, not both")
+    validate.serving(num_blocks, max_num_seqs, max_num_batched_tokens)
+    budget = parse_memory(memory) if memory is not None else None
     recent = {
         g.id: recent_group_blocks(g, max_num_seqs, max_num_batched_tokens)
         for g in spec.groups
@@ -61,8 +83,9 @@ def resolve_num_blocks(
     }
     recent_bytes = sum(n * spec.group_block_bytes(spec.groups[g]) for g, n in recent.items())
     if num_blocks is None:
-        budget = parse_memory(memory or "512MiB")
+        budget = budget or parse_memory("512MiB")
         num_blocks = max(0, budget - recent_bytes) // block_bytes(artifact)
+        num_blocks = min(num_blocks, validate.MAX_NUM_BLOCKS)
     if num_blocks < 2:
         extra = (
             f"; the recent-window caches of {max_num_seqs} sequences take {recent_bytes} bytes "
@@ -75,7 +98,15 @@ def resolve_num_blocks(
             f"block, one block is {block_bytes(artifact)} bytes){extra}"
         )
     # a sequence never holds more recent-window blocks than blocks of its own cache
-    return [min(recent.get(g.id, num_blocks), num_blocks) for g in spec.groups]
+    groups = [min(recent.get(g.id, num_blocks), num_blocks) for g in spec.groups]
+    need = sum(n * spec.group_block_bytes(g) for g, n in zip(spec.groups, groups, strict=True))
+    if memory_limit is not None and need > memory_limit:
+        what = f"--kv-cache-memory {memory}" if memory is not None else f"--num-blocks {num_blocks}"
+        raise TQExportError(
+            f"{what} needs {_fmt_size(need)} of KV cache, more than this machine's "
+            f"{_fmt_size(memory_limit)} of memory; lower it"
+        )
+    return groups
 
 
 @dataclass
@@ -95,14 +126,24 @@ class Executor:
         max_num_seqs: int = 64,
         threads: int | None = None,
         source_model=None,
+        max_model_len: int | None = None,
     ):
-        """``source_model``: the torch backend's already loaded model (skips reloading it)."""
+        """``source_model``: the torch backend's already loaded model (skips reloading it).
+        ``max_model_len``: the model's position limit; a request whose prompt plus max_tokens
+        exceeds it is rejected (finished with a "rejected: ..." reason, never run)."""
         self.artifact = artifact
         self.spec = artifact.spec
+        validate.choice(backend, "backend", ("ort", "torch", "trt"))
+        if threads is not None:
+            validate.integer(threads, "threads", 1)
+        if max_model_len is not None:
+            validate.integer(max_model_len, "max_model_len", 1)
+        self.max_model_len = max_model_len
         #: blocks per cache group; the layers' own caches have ``num_blocks``
         self.group_num_blocks = resolve_num_blocks(
-            artifact, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens
-        )
+            artifact, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
+            memory_limit=validate.physical_memory(),
+        )  # fmt: skip
         self.num_blocks = max(self.group_num_blocks)
         if backend == "ort":
             from tqexport.runtime.backends.ort import OrtBackend
@@ -126,13 +167,27 @@ class Executor:
         self.steps = 0
 
     def add_request(self, prompt: list[int], params: SamplingParams) -> Sequence:
+        if not isinstance(params, SamplingParams):
+            raise TQExportError(f"params must be SamplingParams, got {type(params).__name__}")
+        prompt = list(prompt)
         if not prompt:
             raise TQExportError("empty prompt")
+        for t in prompt:
+            validate.integer(t, "prompt token ids")
         vocab = int(self.spec.model.get("vocab_size") or 0)
         if vocab and (min(prompt) < 0 or max(prompt) >= vocab):
             raise TQExportError(f"prompt token ids must be in [0, {vocab})")
-        seq = Sequence(self._next_id, list(prompt), params)
+        seq = Sequence(self._next_id, prompt, params)
         self._next_id += 1
+        limit = self.max_model_len
+        if limit is not None and len(prompt) + params.max_tokens > limit:
+            seq.finish(
+                f"rejected: a prompt of {len(prompt)} tokens"
+                + (f" plus max_tokens {params.max_tokens}" if len(prompt) < limit else "")
+                + f" exceeds the model's position limit of {limit} tokens"
+                + (" (max_position_embeddings)" if len(prompt) >= limit else "; lower max_tokens")
+            )
+            return seq
         self.scheduler.add(seq)
         return seq
 

@@ -7,10 +7,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tqexport.validate import integer, sampling
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy; top_k 0 and top_p 1.0 = off."""
+    """temperature 0 = greedy; top_k 0 and top_p 1.0 = off. Out-of-range values (nan, a negative
+    temperature, top_p outside (0, 1], a seed torch cannot take) raise TQExportError."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -21,10 +24,10 @@ class SamplingParams:
     ignore_stop: bool = False
 
     def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        # TQExportError is a ValueError: one line naming the field, the rule and the value
+        sampling(self.max_tokens, self.temperature, self.top_k, self.top_p, self.seed)
+        for t in self.stop_token_ids:
+            integer(t, "stop_token_ids", 0)
 
 
 class Status(enum.Enum):

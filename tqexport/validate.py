@@ -1,0 +1,156 @@
+"""Argument checks shared by the command line and the library, and terminal-safe text.
+
+Every check raises :class:`TQExportError` with one line naming the argument, the rule and the
+value, so the CLI can run them all before any expensive work and the library classes
+(``SamplingParams``, ``Executor``) give the same messages. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+import unicodedata
+
+from tqexport.errors import TQExportError
+
+#: ``--seed`` of ``run`` and ``parity``: numpy's range; request i samples with seed + i.
+SEED_MAX = 2**32 - 1
+#: what ``torch.Generator.manual_seed`` takes (the per-request seeds of the library)
+TORCH_SEED_MAX = 2**64 - 1
+#: the Triton kernels range over a block with ``tl.arange(0, BS)``: a power of two
+MAX_BLOCK_SIZE = 256
+#: block ids are int32 in the step inputs
+MAX_NUM_BLOCKS = 2**31 - 1
+MAX_NUM_SEQS = 2**16
+MAX_NUM_BATCHED_TOKENS = 2**20
+#: temperatures below this overflow ``logits / temperature`` in fp32; 0 means greedy
+MIN_TEMPERATURE = 1e-5
+MAX_RECENT_WINDOW = 2**20
+
+
+def integer(value, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as an int within [minimum, maximum] (bools and floats are refused)."""
+    if isinstance(value, bool):
+        raise TQExportError(f"{name} must be an integer, got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TQExportError(f"{name} must be an integer, got {value!r}") from None
+    if (minimum is not None and n < minimum) or (maximum is not None and n > maximum):
+        if maximum is None:
+            rule = f">= {minimum}"
+        elif minimum is None:
+            rule = f"<= {maximum}"
+        else:
+            rule = f"from {minimum} to {maximum}"
+        raise TQExportError(f"{name} must be {rule}, got {n}")
+    return n
+
+
+def number(value, name: str, minimum: float | None = None, maximum: float | None = None,
+           above: float | None = None) -> float:  # fmt: skip
+    """``value`` as a finite float; ``minimum``/``maximum`` inclusive, ``above`` exclusive."""
+    if isinstance(value, bool):
+        raise TQExportError(f"{name} must be a number, got {value!r}")
+    try:
+        x = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise TQExportError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(x):
+        raise TQExportError(f"{name} must be a finite number, got {value}")
+    low = [f">= {minimum:g}"] if minimum is not None else []
+    low += [f"> {above:g}"] if above is not None else []
+    rule = " and ".join(low + ([f"<= {maximum:g}"] if maximum is not None else []))
+    if (
+        (minimum is not None and x < minimum)
+        or (above is not None and x <= above)
+        or (maximum is not None and x > maximum)
+    ):
+        raise TQExportError(f"{name} must be {rule}, got {x:g}")
+    return x
+
+
+def choice(value: str, name: str, options) -> str:
+    if value not in options:
+        raise TQExportError(f"{name} must be one of {', '.join(options)}, got {value!r}")
+    return value
+
+
+def block_size(value, name: str = "--block-size") -> int:
+    """Tokens per cache block: a power of two up to :data:`MAX_BLOCK_SIZE` (the kernels' rule)."""
+    n = integer(value, name, 1)
+    if n > MAX_BLOCK_SIZE or n & (n - 1):
+        raise TQExportError(
+            f"{name} must be a power of two from 1 to {MAX_BLOCK_SIZE} (16 is vLLM's default), "
+            f"got {n}"
+        )
+    return n
+
+
+def recent_window(value, name: str = "--kv-recent-window") -> int:
+    return integer(value, name, 0, MAX_RECENT_WINDOW)
+
+
+def seed(value, name: str = "--seed", maximum: int = SEED_MAX) -> int:
+    return integer(value, name, 0, maximum)
+
+
+def _flag(field: str, cli: bool) -> str:
+    return "--" + field.replace("_", "-") if cli else field
+
+
+def sampling(max_tokens, temperature, top_k, top_p, seed_value, *, cli: bool = False,
+             seed_max: int = TORCH_SEED_MAX) -> None:  # fmt: skip
+    """The rules of ``SamplingParams``; ``cli`` names the flags (``--max-tokens``) instead of the
+    fields (``max_tokens``) in the message."""
+    integer(max_tokens, _flag("max_tokens", cli), 1)
+    t = number(temperature, _flag("temperature", cli), 0.0)
+    if 0 < t < MIN_TEMPERATURE:
+        raise TQExportError(
+            f"{_flag('temperature', cli)} must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {t}"
+        )
+    integer(top_k, _flag("top_k", cli), 0)
+    number(top_p, _flag("top_p", cli), above=0.0, maximum=1.0)
+    seed(seed_value, _flag("seed", cli), seed_max)
+
+
+def serving(num_blocks=None, max_num_seqs=64, max_num_batched_tokens=512, backend=None) -> None:
+    """The executor's sizes (``--num-blocks``, ``--max-num-seqs``, ...), before any allocation."""
+    if num_blocks is not None:
+        integer(num_blocks, "--num-blocks", 2, MAX_NUM_BLOCKS)
+    integer(max_num_seqs, "--max-num-seqs", 1, MAX_NUM_SEQS)
+    integer(max_num_batched_tokens, "--max-num-batched-tokens", 1, MAX_NUM_BATCHED_TOKENS)
+    if backend is not None:
+        choice(backend, "--backend", ("ort", "torch", "trt"))
+
+
+def physical_memory() -> int | None:
+    """Bytes of RAM of this machine, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+_BIDI = set(range(0x202A, 0x202F)) | set(range(0x2066, 0x206A))
+
+
+def printable(text: object, keep_newlines: bool = False) -> str:
+    """``text`` with control characters (terminal escape codes, bidi overrides) shown as escapes
+    (``\\x1b``, ``\\n``), so a user string prints literally and on one line. ``keep_newlines``
+    leaves newlines and tabs alone (generated text)."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    out = []
+    for ch in s:
+        o = ord(ch)
+        if keep_newlines and ch in "\n\t":
+            out.append(ch)
+        elif o in _BIDI or unicodedata.category(ch) in ("Cc", "Zl", "Zp"):
+            esc = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(ch)
+            out.append(esc or (f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}"))
+        else:
+            out.append(ch)
+    return "".join(out)
