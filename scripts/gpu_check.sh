@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check in one go (target: under 8 minutes on one H200): the CUDA kernel tests,
-# then the paged decode bandwidth benchmark. Needs torch with CUDA, triton, and this repo.
+# the paged decode bandwidth benchmark, then the ORT CUDA decode row (device-resident caches
+# bound in place; needs onnxruntime-gpu, skipped with a note without it). Needs torch with
+# CUDA, triton, and this repo.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,4 +15,12 @@ tests=$?
 echo "== paged decode bandwidth"
 timeout 300 "$PY" benchmarks/gpu_decode.py "$@"
 bench=$?
-exit $(( tests != 0 || bench != 0 ))
+echo "== ORT CUDA decode (device-resident caches)"
+ortrow=0
+if "$PY" -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())"; then
+  timeout 300 "$PY" benchmarks/ort_cuda_decode.py --model tiny-llama-d128 --context 256 --workdir out/gpu-check
+  ortrow=$?
+else
+  echo "skipped: onnxruntime-gpu with the CUDA provider is not installed"
+fi
+exit $(( tests != 0 || bench != 0 || ortrow != 0 ))

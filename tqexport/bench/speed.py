@@ -2,8 +2,10 @@
 
 Per configuration, B sequences with C tokens already cached (contiguous block tables; the cache
 bytes are zeros, decode cost does not depend on their values) take N single-token decode steps;
-the fastest step after a warm-up one counts. Reported: ms per step, tokens/s and the ratio to
-``auto`` measured in the same run, KV bytes per token, and the tokens a fixed KV budget holds.
+the fastest step after a warm-up one counts. The kv dtypes of one (context, batch) point run
+interleaved, step by step, in one process, so a loaded machine slows them alike and the ratios
+hold. Reported: ms per step, tokens/s and the ratio to ``auto`` measured in the same run, KV
+bytes per token, and the tokens a fixed KV budget holds.
 """
 
 from __future__ import annotations
@@ -33,24 +35,55 @@ def artifact_for(model: str, kv_cache_dtype: str, workdir: Path, recent_window: 
 
 
 def decode_ms(
-    art: Artifact, context: int, batch: int, steps: int, threads=None, extra_blocks: int = 0
+    art: Artifact,
+    context: int,
+    batch: int,
+    steps: int,
+    threads=None,
+    extra_blocks: int = 0,
+    options: dict | None = None,
 ) -> float:
     """Fastest decode step (ms) of ``batch`` sequences holding ``context`` cached tokens;
     ``extra_blocks`` grows the cache beyond what they use (in-place updates keep it flat)."""
-    spec = art.spec
-    per_seq = -(-(context + steps) // spec.block_size)
-    backend = OrtBackend(art, 1 + batch * per_seq + extra_blocks, threads)
-    tables = [
-        [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))] * len(spec.groups)
-        for i in range(batch)
-    ]
-    times = []
+    ms = decode_ms_interleaved({"x": art}, context, batch, steps, threads, extra_blocks, options)
+    return ms["x"]
+
+
+def decode_ms_interleaved(
+    arts: dict[str, Artifact],
+    context: int,
+    batch: int | dict[str, int],
+    steps: int,
+    threads=None,
+    extra_blocks: int = 0,
+    options: dict | None = None,
+    step_options: dict | None = None,
+) -> dict[str, float]:
+    """:func:`decode_ms` of several artifacts (or one artifact under several ``step_options``
+    labels: label -> session option overrides; ``batch`` may be label -> batch) with their
+    steps interleaved: a warm-up step each, then step s of every artifact before step s + 1 of
+    any."""
+    backends, tables = {}, {}
+    for label, art in arts.items():
+        b = batch[label] if isinstance(batch, dict) else batch
+        spec = art.spec
+        per_seq = -(-(context + steps) // spec.block_size)
+        opts = {**(options or {}), **((step_options or {}).get(label) or {})}
+        backends[label] = OrtBackend(art, 1 + b * per_seq + extra_blocks, threads,
+                                     options=opts)  # fmt: skip
+        tables[label] = [
+            [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))] * len(spec.groups)
+            for i in range(b)
+        ]
+    times = {label: [] for label in arts}
     for s in range(steps + 1):
-        step = build_step(spec, [SeqChunk([7], context + s, t) for t in tables])
-        t0 = time.perf_counter()
-        backend.run(step)
-        times.append(time.perf_counter() - t0)
-    return 1000 * min(times[1:])
+        for label, backend in backends.items():
+            spec = arts[label].spec
+            step = build_step(spec, [SeqChunk([7], context + s, t) for t in tables[label]])
+            t0 = time.perf_counter()
+            backend.run(step)
+            times[label].append(time.perf_counter() - t0)
+    return {label: 1000 * min(t[1:]) for label, t in times.items()}
 
 
 def measure(
@@ -66,10 +99,8 @@ def measure(
     rows = []
     for c in contexts:
         for b in batches:
-            ms = {}
-            for name, art in arts.items():
-                progress(f"context {c} batch {b}: {name}")
-                ms[name] = decode_ms(art, c, b, steps, threads)
+            progress(f"context {c} batch {b}: {', '.join(arts)}")
+            ms = decode_ms_interleaved(arts, c, b, steps, threads)
             rows.append({
                 "context": c, "batch": b,
                 "ms_per_step": ms,

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import onnx
 import torch
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from tqexport.kvquant.codecs import MODEL_DTYPES, torch_dtype
 from tqexport.ops import reference
@@ -96,13 +97,16 @@ def _export_body(op: str, attrs: dict, opset: int) -> onnx.ModelProto:
             torch.tensor([0, 2, 3], dtype=torch.int32),
             torch.tensor([0, 1, 0], dtype=torch.int64),
         )
+        # positions' length gets a symbol of its own: every step-level index the body derives
+        # then reads shapes of step inputs only (never of q), so the layers' copies are
+        # identical and ONNX Runtime's common-subexpression pass computes them once per step
         dyn = (
             {0: tokens},
             *cache_dyn,
             {0: seqs, 1: max_blocks},
             {0: seqs},
             {0: seqs + 1},
-            {0: tokens},
+            {0: torch.export.Dim("step_tokens")},
         )
         if attrs.get("recent_window"):
             recent = [torch.zeros(4, attrs["block_size"], kvh, d, dtype=dt) for _ in range(2)]
@@ -118,13 +122,96 @@ def _export_body(op: str, attrs: dict, opset: int) -> onnx.ModelProto:
     return program.model_proto
 
 
+_SHAPE_ONLY = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+
+
+def _narrow_lookup_indices(graph: onnx.GraphProto) -> None:
+    """Cast element-wise lookup indices to int32 instead of int64 (in place).
+
+    ``torch.gather`` takes int64 indices only, so a table lookup of bytes exports as
+    Cast(uint8 -> int64) -> Reshape -> GatherElements. ONNX's GatherElements also takes int32,
+    and these indices are small (< 65536), so the Cast writes half the bytes; same values, same
+    gather. Only a Cast whose every use is, through shape-only ops, a GatherElements index is
+    changed.
+    """
+    consumers: dict[str, list] = {}
+    for n in graph.node:
+        for i, name in enumerate(n.input):
+            consumers.setdefault(name, []).append((n, i))
+
+    def only_indices(name: str, seen: list[str]) -> bool:
+        uses = consumers.get(name, [])
+        if not uses or name in {o.name for o in graph.output}:
+            return False
+        for n, i in uses:
+            if n.op_type == "GatherElements" and i == 1:
+                continue
+            if n.op_type in _SHAPE_ONLY and i == 0 and only_indices(n.output[0], seen):
+                seen.append(n.output[0])
+                continue
+            return False
+        return True
+
+    for n in graph.node:
+        to = next((a for a in n.attribute if a.name == "to"), None)
+        if n.op_type != "Cast" or to is None or to.i != onnx.TensorProto.INT64:
+            continue
+        renamed: list[str] = []
+        if only_indices(n.output[0], renamed):
+            to.i = onnx.TensorProto.INT32
+            for info in graph.value_info:
+                if info.name in (n.output[0], *renamed):
+                    info.type.tensor_type.elem_type = onnx.TensorProto.INT32
+
+
+def _constant_nodes(init: onnx.TensorProto) -> list[onnx.NodeProto]:
+    """Nodes that produce initializer ``init`` inside a function body.
+
+    Usually one Constant. A small integer tensor (an arange, a shape) is instead built from
+    scalar constants (a Range, or a Concat of one-element constants, then a reshape): ONNX
+    Runtime shares equal scalar constants between the inlined copies of a body but not equal
+    tensors, and a node reading an unshared constant keeps the layers' copies of every
+    step-level index computation from being merged into one by its common-subexpression pass.
+    """
+    arr = numpy_helper.to_array(init)
+    if arr.dtype.kind not in "iu" or not 1 < arr.size <= 64:
+        return [helper.make_node("Constant", [], [init.name], value=init)]
+    name, flat = init.name, arr.reshape(-1)
+    nodes = []
+
+    def const(value, suffix, one_d=True, dtype=arr.dtype):
+        out = f"{name}__{suffix}"
+        value = np.array([value] if one_d else value, dtype=dtype)
+        nodes.append(helper.make_node("Constant", [], [out],
+                                      value=numpy_helper.from_array(value, out)))  # fmt: skip
+        return out
+
+    def concat(values, suffix, dtype=arr.dtype):
+        parts = [const(v, f"{suffix}{i}", dtype=dtype) for i, v in enumerate(values)]
+        out = f"{name}__{suffix}"
+        nodes.append(helper.make_node("Concat", parts, [out], axis=0))
+        return out
+
+    target = name if arr.ndim == 1 else f"{name}__flat"
+    steps = np.diff(flat)
+    if (steps == steps[0]).all() and steps[0] != 0:  # an arange
+        start, delta = const(flat[0], "start", False), const(steps[0], "delta", False)
+        limit = const(flat[-1] + steps[0], "limit", False)
+        nodes.append(helper.make_node("Range", [start, limit, delta], [target]))
+    else:
+        nodes.append(helper.make_node("Identity", [concat(flat, "e")], [target]))
+    if arr.ndim != 1:
+        shape = concat(arr.shape, "shape", dtype=np.int64)
+        nodes.append(helper.make_node("Reshape", [target, shape], [name]))
+    return nodes
+
+
 def function_for(op: str, attrs: dict, opset: int) -> tuple[onnx.FunctionProto, list]:
     """FunctionProto for one variant; also returns functions its body calls (usually none)."""
     model = _export_body(op, attrs, opset)
+    _narrow_lookup_indices(model.graph)
     g = model.graph
-    constants = [
-        helper.make_node("Constant", [], [init.name], value=init) for init in g.initializer
-    ]
+    constants = [node for init in g.initializer for node in _constant_nodes(init)]
     # Attributes are declared so nodes may carry their whole spec; the body is specialized.
     declared = sorted(set(attrs) | {"variant", "layer", "plugin_namespace"})
     fn = helper.make_function(

@@ -62,6 +62,109 @@ class TensorFormat:
 CacheTensors = dict[str, torch.Tensor]
 
 
+def lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table[index]`` for a 1-D ``table`` and integer (or uint8) ``index`` of any shape.
+
+    Written as an element-wise gather (ONNX GatherElements), which ONNX Runtime runs an order
+    of magnitude faster than a Gather or GatherND of single elements.
+    """
+    flat = index.to(torch.int64).reshape(1, -1)
+    return torch.gather(table.reshape(1, -1), 1, flat).reshape(index.shape)
+
+
+def nibbles(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 ``[..., B]`` -> (low, high) 4-bit codes as float32 ``[..., B]`` each: the even and
+    the odd elements of :func:`~tqexport.kvquant.packing.unpack_codes` (exact arithmetic)."""
+    x = data.to(torch.float32)
+    high = torch.floor(x * 0.0625)
+    return x - high * 16, high
+
+
+def triplet_codes(data: torch.Tensor) -> list[torch.Tensor]:
+    """uint8 ``[..., 3n]`` 3-bit stream -> 8 float32 ``[..., n]`` tensors, tensor k holding
+    codes ``k, k + 8, k + 16, ...`` of :func:`~tqexport.kvquant.packing.unpack_codes` (each
+    24-bit word is exact in float32, and so are the power-of-two divisions)."""
+    t = data.to(torch.float32).unflatten(-1, (-1, 3))
+    word = t[..., 0] + t[..., 1] * 256 + t[..., 2] * 65536
+    out = []
+    for k in range(8):
+        shifted = torch.floor(word * 8.0**-k)
+        out.append(shifted - torch.floor(shifted * 0.125) * 8)
+    return out
+
+
+#: the 256 byte values, in order (lookup tables are a function applied to it)
+_EVERY_BYTE = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+_FP8_E4M3_TABLE = fp8_decode(_EVERY_BYTE, E4M3)
+#: fp16_from_bytes of every 16-bit pattern, indexed by ``low byte + 256 * high byte``
+_FP16_TABLE = fp16_from_bytes(
+    torch.stack([torch.arange(65536) % 256, torch.arange(65536) // 256], dim=-1).to(torch.uint8)
+)
+
+
+def fp16_fields(b: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Little-endian fp16 fields of bytes ``[..., B]`` -> float32 ``[..., n]``, as
+    :func:`fp16_from_bytes` gives them but with one table lookup (the table is that function of
+    every pattern: identical values). ``weights`` ``[B, n]`` (:func:`fp16_field_weights`) say
+    where field j lies (1 at its low byte, 256 at its high byte); default: B = 2n fields in
+    order. The pattern is ``bytes @ weights``: exact, small integers in float32.
+    """
+    if weights is None:
+        weights = fp16_field_weights(b.shape[-1], range(0, b.shape[-1], 2))
+    pattern = b.to(torch.float32) @ weights
+    return lookup(_FP16_TABLE, pattern)
+
+
+def fp16_field_weights(width: int, offsets) -> torch.Tensor:
+    """``[width, n]`` weights for :func:`fp16_fields`: field j's bytes at ``offsets[j]``."""
+    offsets = list(offsets)
+    w = torch.zeros(width, len(offsets))
+    for j, at in enumerate(offsets):
+        w[at, j], w[at + 1, j] = 1.0, 256.0
+    return w
+
+
+@dataclass
+class AttentionOperands:
+    """Cached keys and values in the factored form attention consumes (decode side only).
+
+    Keys and values come as ``parts``: with n parts, part i holds the head's elements
+    ``i, i + n, i + 2n, ...`` (packed codes unpack into parts without interleaving them).
+    Scores are ``sum_i (q @ query_rotation)[..., i::n] @ keys[i]^T * key_scale`` (rotation and
+    scale optional), and the value of a key is ``values * value_scale + value_zero`` per group
+    of ``D / groups`` elements, so ``sum_t p_t v_t = (p * s) @ values + p @ z`` needs no
+    dequantized V. With ``values_finite`` the values are finite whatever the bytes (integer
+    codes): a masked key then contributes nothing once its scale and zero are zeroed. Shapes:
+    ``keys[i]``/``values[i]`` ``[..., D / n]``, ``key_scale`` ``[...]``,
+    ``value_scale``/``value_zero`` ``[..., groups]``.
+    """
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    key_scale: torch.Tensor | None = None
+    query_rotation: torch.Tensor | None = None
+    value_scale: torch.Tensor | None = None
+    value_zero: torch.Tensor | None = None
+    values_finite: bool = False
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) ``[..., D]`` these operands stand for (for tests; attention never builds
+        them)."""
+        keys = torch.stack(self.keys, dim=-1).flatten(-2)
+        if self.query_rotation is not None:
+            keys = keys @ self.query_rotation
+        if self.key_scale is not None:
+            keys = keys * self.key_scale.unsqueeze(-1)
+        values = torch.stack(self.values, dim=-1).flatten(-2)
+        if self.value_scale is not None:
+            values = values.unflatten(-1, (self.value_scale.shape[-1], -1))
+            values = values * self.value_scale.unsqueeze(-1)
+            if self.value_zero is not None:
+                values = values + self.value_zero.unsqueeze(-1)
+            values = values.flatten(-2)
+        return keys, values
+
+
 class Codec(ABC):
     """Encode/decode of one kv-cache dtype for heads of size ``head_size``."""
 
@@ -78,6 +181,12 @@ class Codec(ABC):
     @abstractmethod
     def decode(self, cache: CacheTensors) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache tensors -> (K, V) as float32 ``[..., heads, D]``."""
+
+    def attention_operands(self, cache: CacheTensors) -> AttentionOperands:
+        """Cache tensors -> the :class:`AttentionOperands` attention reads (default: the
+        decoded K and V)."""
+        keys, values = self.decode(cache)
+        return AttentionOperands((keys,), (values,))
 
     @property
     def bytes_per_token_head(self) -> int:
@@ -112,6 +221,9 @@ class Fp8PerTensorCodec(Codec):
         self.head_size = head_size
         self.fmt = FP8_FORMATS[fmt]
         self.k_scale, self.v_scale = float(k_scale), float(v_scale)
+        # decode tables with the scale applied: entry b is exactly fp8_decode(b) * scale
+        self.k_table = fp8_decode(_EVERY_BYTE, self.fmt) * self.k_scale
+        self.v_table = fp8_decode(_EVERY_BYTE, self.fmt) * self.v_scale
 
     @property
     def tensors(self):
@@ -130,6 +242,12 @@ class Fp8PerTensorCodec(Codec):
         return (
             fp8_decode(cache["k"], self.fmt) * self.k_scale,
             fp8_decode(cache["v"], self.fmt) * self.v_scale,
+        )
+
+    def attention_operands(self, cache):
+        # the same values as decode(): one table lookup per byte instead of lookup + multiply
+        return AttentionOperands(
+            (lookup(self.k_table, cache["k"]),), (lookup(self.v_table, cache["v"]),)
         )
 
 
@@ -183,6 +301,20 @@ class SymmetricPerTokenHeadCodec(Codec):
         return (
             self._dequant(cache["k"], cache["k_scale"]),
             self._dequant(cache["v"], cache["v_scale"]),
+        )
+
+    def _codes(self, data):
+        if self.mode is KVQuantMode.INT8_PER_TOKEN_HEAD:
+            return (int8_from_bytes(data),)
+        return (lookup(_FP8_E4M3_TABLE, data),)
+
+    def attention_operands(self, cache):
+        return AttentionOperands(
+            self._codes(cache["k"]),
+            self._codes(cache["v"]),
+            key_scale=cache["k_scale"],
+            value_scale=cache["v_scale"].unsqueeze(-1),
+            values_finite=self.mode is KVQuantMode.INT8_PER_TOKEN_HEAD,  # fp8 bytes may be NaN
         )
 
 
@@ -322,6 +454,19 @@ class TurboQuantCodec(Codec):
             self.rotation = tq.hadamard(head_size)
             self.centroids = tq.centroids(head_size, self.preset.key_bits)
             self.thresholds = tq.thresholds(self.centroids)
+        if self.preset.key_bits == 4:
+            # decode side: byte -> the centroid of its low / high nibble (bit for bit)
+            pairs = self.centroids[unpack_codes(_EVERY_BYTE[:, None], 4, 2).long()]
+            self.low_centroids, self.high_centroids = pairs[:, 0], pairs[:, 1]
+            self.pair_norm2 = (pairs * pairs).sum(-1)  # byte -> c_low^2 + c_high^2
+        # where the fp16 fields lie: the key norm in its 2 bytes, scales and zeros in the
+        # value parameters (group g's pair at 4g)
+        lay = self.layout
+        if not self.preset.key_fp8:
+            self.norm_weights = fp16_field_weights(2, [0])
+        params = lay.slot_size - lay.value_scale_offset
+        self.scale_weights = fp16_field_weights(params, range(0, params, 4))
+        self.zero_weights = fp16_field_weights(params, range(2, params, 4))
 
     @property
     def tensors(self):
@@ -410,6 +555,50 @@ class TurboQuantCodec(Codec):
     def decode(self, cache):
         slots = cache["kv"]
         return self.decode_keys(slots), self.decode_values(slots)
+
+    def attention_operands(self, cache):
+        """MSE keys stay in the rotated basis: the centroid vectors ``c`` (not normalized) with
+        ``key_scale = norm / sqrt(<c, c> + eps)`` (norm correction, from the codes) or
+        ``norm``, scored against ``q @ H``: ``<q, norm * c_nc @ H> = (q @ H) . c * key_scale``
+        (H is orthogonal and symmetric). fp8 keys are decoded. Values stay codes, with their
+        per-group fp16 scale and zero. Packed codes unpack into parts (2 for 4-bit: low and
+        high nibbles; 8 for 3-bit), never interleaved."""
+        slots, lay = cache["kv"], self.layout
+        code_bytes = slots[..., : lay.key_code_bytes]
+        rotation = key_scale = None
+        if self.preset.key_fp8:
+            keys = (lookup(_FP8_E4M3_TABLE, code_bytes),)
+        else:
+            if self.preset.key_bits == 4:
+                index = code_bytes.to(torch.int64)
+                keys = (lookup(self.low_centroids, index), lookup(self.high_centroids, index))
+            else:
+                keys = tuple(lookup(self.centroids, c) for c in triplet_codes(code_bytes))
+            norm_at = lay.key_norm_offset
+            norm_bytes = slots[..., norm_at : norm_at + 2]
+            key_scale = fp16_fields(norm_bytes, self.norm_weights).squeeze(-1)
+            if self.preset.norm_correction:
+                if self.preset.key_bits == 4:  # <c, c> summed over bytes
+                    sumsq = lookup(self.pair_norm2, index).sum(-1)
+                else:
+                    sumsq = sum((c * c).sum(-1) for c in keys)
+                key_scale = key_scale / torch.sqrt(sumsq + NC_EPS)
+            rotation = self.rotation
+        value_bytes = slots[..., lay.value_offset : lay.value_scale_offset]
+        if self.preset.value_bits == 4:
+            values = nibbles(value_bytes)
+        else:
+            values = tuple(triplet_codes(value_bytes))
+        params = slots[..., lay.value_scale_offset : lay.slot_size]
+        return AttentionOperands(
+            keys,
+            values,
+            key_scale=key_scale,
+            query_rotation=rotation,
+            value_scale=fp16_fields(params, self.scale_weights),
+            value_zero=fp16_fields(params, self.zero_weights),
+            values_finite=True,
+        )
 
 
 #: Largest head size any codec takes. Real models use at most 256 (Gemma 3); the bound keeps

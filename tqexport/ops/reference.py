@@ -2,8 +2,10 @@
 
 These functions are the semantics of the two per-layer ops. The torch backend runs them, and
 the ONNX function bodies are these same functions exported to standard ops, so the graph and
-the reference cannot drift apart. Written for export: no bitcasts, no data-dependent shapes,
-masks applied with ``where`` (never by adding -inf: 0 x NaN from a recycled block is NaN).
+the reference cannot drift apart. Written for export: no bitcasts, no data-dependent Python
+control flow (sizes that depend on the step, like the longest chunk, are read from step tensors
+and export as computed shapes), masks applied with ``where`` or by zeroing (never by adding
+-inf: 0 x NaN from a recycled block is NaN).
 
 Step contract (flattened tokens, vLLM style), for one layer of one cache group:
 ``slot_mapping [T]`` int64 (block * block_size + offset; < 0 = padding, written to the null
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from tqexport.kvquant.codecs import MODEL_DTYPES, Codec, make_codec
+from tqexport.kvquant.codecs import MODEL_DTYPES, AttentionOperands, Codec, make_codec
 
 
 def write_cache(
@@ -50,21 +52,134 @@ def write_cache_(codec, cache, k, v, slot_mapping) -> None:
         tensor.copy_(new)
 
 
-def _gather(codec: Codec, cache, block_tables, seq_lens):
-    """Keys and values ``[S, C, KVH, D]`` of every sequence's blocks, their positions ``[C]``
-    and which are real cached keys ``[S, C]`` (below seq_len, not in the null block)."""
-    block_size = cache[0].shape[1]
-    tables = block_tables.to(torch.int64)
-    gathered = {
-        fmt.role: t[tables].flatten(1, 2) for fmt, t in zip(codec.tensors, cache, strict=True)
-    }
-    keys, values = codec.decode(gathered)  # float32
-    key_pos = torch.arange(tables.shape[1] * block_size, device=keys.device)
-    key_block = torch.repeat_interleave(tables, block_size, dim=1)  # [S, C]
-    valid = (key_pos.unsqueeze(0) < seq_lens.unsqueeze(1).to(torch.int64)) & (key_block != 0)
-    keys = torch.where(valid[..., None, None], keys, torch.zeros_like(keys))
-    values = torch.where(valid[..., None, None], values, torch.zeros_like(values))
-    return keys, values, key_pos, valid
+def _size(x: torch.Tensor) -> int:
+    """A step-dependent size (>= 1) from a scalar tensor: an int when run eagerly, a symbolic
+    size when traced (exported as a shape computed from the step inputs)."""
+    n = x.item()
+    torch._check(n >= 1)
+    return n
+
+
+class _Queries:
+    """Where the step's queries sit per sequence (step inputs only, no layer data: ONNX Runtime
+    computes this once per step for all layers, its common-subexpression pass merging the
+    layers' identical nodes). Rows ``[S, Q]``, Q = the longest chunk of the step."""
+
+    def __init__(self, query_start_loc: torch.Tensor, positions: torch.Tensor):
+        tokens = positions.shape[0]
+        dev = positions.device
+        starts = query_start_loc[:-1].to(torch.int64)
+        ends = query_start_loc[1:].to(torch.int64)
+        lens = ends - starts
+        self.width = _size(lens.max().clamp(min=1))
+        r = torch.arange(self.width, device=dev)
+        self.ok = r < lens.unsqueeze(1)  # [S, Q]: a real query
+        # padded rows read row `tokens`, an appended zero query (no query is ever read twice)
+        self.row = torch.where(self.ok, starts.unsqueeze(1) + r, tokens)
+        pos = torch.cat([positions.to(torch.int64), positions.new_zeros(1, dtype=torch.int64)])
+        self.pos = pos[self.row]  # [S, Q]
+        big = torch.iinfo(torch.int64).max // 4
+        self.first = torch.where(self.ok, self.pos, big).amin(1)  # [S]
+        self.last = torch.where(self.ok, self.pos, -big).amax(1)
+        # back to tokens: token t is row (its sequence, t - its start); tokens of no sequence
+        # (padding) read row 0 and are zeroed
+        token = torch.arange(tokens, device=dev).unsqueeze(1)
+        in_seq = (token >= starts) & (token < ends)  # [T, S]
+        seq = torch.argmax(in_seq.to(torch.int32), dim=1)
+        self.belongs = in_seq.any(dim=1)  # [T]
+        self.token_row = torch.where(self.belongs, seq * self.width + token[:, 0] - starts[seq], 0)
+
+
+class _Segment:
+    """The keys one segment of the cache offers the step's queries (step inputs only): each
+    sequence's blocks from the first one its first query may see, as wide as the widest
+    sequence needs, gathered straight into the head-major layout ``[S, KVH, C]``."""
+
+    def __init__(self, qs: _Queries, tables, seq_lens, block_size, kv_heads, lookback=None,
+                 gap=0, window=None, lo=None, hi=None):  # fmt: skip
+        dev = tables.device
+        width = tables.shape[1]
+        # keys p with first - lookback < p <= last - gap and p < seq_len
+        lo_pos = seq_lens * 0 if lookback is None else (qs.first - lookback + 1).clamp(min=0)
+        hi_pos = torch.minimum(seq_lens - 1, qs.last - gap)
+        first = torch.div(lo_pos, block_size, rounding_mode="floor")
+        count = torch.div(hi_pos, block_size, rounding_mode="floor") - first + 1
+        num = _size(count.max().clamp(min=1, max=width))
+        col = first.unsqueeze(1) + torch.arange(num, device=dev)  # [S, nb] table column
+        block = tables.to(torch.int64).gather(1, torch.clamp(col, max=width - 1))
+        block = torch.where(col < width, block, 0)
+        offset = torch.arange(block_size, device=dev)
+        key_pos = (col.unsqueeze(2) * block_size + offset).flatten(1)  # [S, C]
+        rows = (block.unsqueeze(2) * block_size + offset).flatten(1)  # [S, C] cache row
+        real = (block != 0).unsqueeze(2).expand(-1, -1, block_size).flatten(1)
+        self.valid = real & (key_pos < seq_lens.unsqueeze(1))  # [S, C]: a real cached key
+        heads = torch.arange(kv_heads, device=dev)
+        self.index = rows.unsqueeze(1) * kv_heads + heads.unsqueeze(1)  # [S, KVH, C]
+        # [S, KVH, C] positions of keys that are not real: zeroed where their bytes could
+        # turn 0 x NaN into NaN (a scatter of zeros, cheaper than a select over every value)
+        self.invalid = torch.nonzero(~self.valid.unsqueeze(1).expand(-1, kv_heads, -1))
+        kp, qp = key_pos.unsqueeze(1), qs.pos.unsqueeze(2)  # [S, 1, C], [S, Q, 1]
+        seen = kp <= (qp if hi is None else torch.minimum(qp, hi))
+        if window is not None:
+            seen = seen & (kp > qp - window)
+        if lo is not None:
+            seen = seen & (kp >= lo)
+        self.seen = seen & self.valid.unsqueeze(1) & qs.ok.unsqueeze(2)  # [S, Q, C]
+
+    def gather(self, codec: Codec, cache: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This segment's rows of every cache tensor: ``[S, KVH, C(, X)]``."""
+        return {
+            fmt.role: t.flatten(0, 2)[self.index]
+            for fmt, t in zip(codec.tensors, cache, strict=True)
+        }
+
+    def zero_invalid(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [S, KVH, C, ...]`` with the rows of keys that are not real set to 0."""
+        i = self.invalid
+        zeros = x.new_zeros((i.shape[0], *x.shape[3:]))
+        return x.index_put((i[:, 0], i[:, 1], i[:, 2]), zeros)
+
+
+def _scores(ops: AttentionOperands, qs: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[S, KVH, Q, C]`` scores of queries ``[S, KVH, Q, D]`` against one segment's keys."""
+    if ops.query_rotation is not None:
+        qs = qs @ ops.query_rotation
+    n = len(ops.keys)
+    scores = None
+    for i, keys in enumerate(ops.keys):
+        part = torch.matmul(qs if n == 1 else qs[..., i::n], keys.transpose(-1, -2))
+        scores = part if scores is None else scores + part
+    if ops.key_scale is not None:
+        scores = scores * ops.key_scale.unsqueeze(-2)
+    return scores * scale
+
+
+def _apply_values(ops: AttentionOperands, probs: torch.Tensor, seg: _Segment) -> torch.Tensor:
+    """``probs [S, KVH, Q, C] @ V [S, KVH, C, D]``, V in factored form. Keys that are not real
+    have probability 0, and their bytes may decode to NaN: they are zeroed (their scale and
+    zero when the values are finite codes, else the values) so 0 x NaN never occurs."""
+    values = ops.values
+    if not ops.values_finite:
+        values = tuple(seg.zero_invalid(v) for v in values)
+    v_scale, v_zero = ops.value_scale, ops.value_zero
+    if v_scale is not None:
+        v_scale = seg.zero_invalid(v_scale)
+    if v_zero is not None:
+        v_zero = seg.zero_invalid(v_zero)
+    groups = 1 if v_scale is None else v_scale.shape[-1]
+    if v_scale is None or groups == 1:  # sum_t p_t (s_t c_t + z_t) = (p * s) @ c + p @ z
+        weights = probs if v_scale is None else probs * v_scale.transpose(-1, -2)
+        parts = [torch.matmul(weights, v) for v in values]
+    else:  # a scale and zero per group of each part's elements
+        parts = []
+        for v in values:
+            v = v.unflatten(-1, (groups, -1)) * v_scale.unsqueeze(-1)
+            if v_zero is not None:
+                v = v + v_zero.unsqueeze(-1)
+            parts.append(torch.matmul(probs, v.flatten(-2)))
+        v_zero = None
+    out = parts[0] if len(parts) == 1 else torch.stack(parts, dim=-1).flatten(-2)
+    return out if v_zero is None else out + torch.matmul(probs, v_zero)
 
 
 def paged_attention(
@@ -85,65 +200,66 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of queries ``[T, heads, D]`` over the keys each may see, read from the cache.
 
-    Every sequence's blocks are gathered and decoded; each query attends over the
-    concatenation of all sequences' keys with a mask that admits only its own sequence, keys
-    at positions ``<= its position`` and, with a window W, ``> position - W``. With a recent
-    window N (``recent_cache``: K and V in the model dtype, paged by ``recent_block_tables``),
-    keys at positions ``> position - N`` are read from the recent cache instead of the
-    quantized one. Queries that see nothing (padding) return zeros. Output is
-    ``[T, heads, D]`` in q's dtype.
+    Each query attends over its own sequence's cached keys at positions ``<= its position``
+    and, with a window W, ``> position - W``. With a recent window N (``recent_cache``: K and V
+    in the model dtype, paged by ``recent_block_tables``), keys at positions ``> position - N``
+    are read from the recent cache instead of the quantized one. Queries that see nothing
+    (padding) return zeros. Output is ``[T, heads, D]`` in q's dtype.
+
+    Per sequence, not per step: queries are gathered into ``[S, Q]`` rows (Q = the step's
+    longest chunk; decode steps: 1) and each sequence's blocks into ``[S, KVH, C]`` (C = the
+    blocks the step's widest sequence may read: a window or the recent split starts at the
+    block the sequence's first query can see), so a step costs the sum over sequences of
+    queries x context, never all queries x all contexts. Keys and values are read in the
+    codec's factored form (:meth:`Codec.attention_operands`; TurboQuant: scored in the rotated
+    basis, values applied as codes).
     """
-    tokens = q.shape[0]
-    token_idx = torch.arange(tokens, device=q.device)
-    ends = query_start_loc[1:].to(torch.int64)
-    starts = query_start_loc[:-1].to(torch.int64)
-    in_seq = (token_idx.unsqueeze(1) >= starts) & (token_idx.unsqueeze(1) < ends)  # [T, S]
-    qpos = positions.to(torch.int64).unsqueeze(1)  # [T, 1]
-
-    def visible(key_pos, valid, lo=None, hi=None):
-        """[T, S*C]: own sequence, causal, in window (and in [lo, hi]), a real cached key."""
-        pos = key_pos.unsqueeze(0)
-        seen = pos <= (qpos if hi is None else torch.minimum(qpos, hi))
-        if window is not None:
-            seen = seen & (pos > qpos - window)
-        if lo is not None:
-            seen = seen & (pos >= lo)
-        return (in_seq.unsqueeze(2) & seen.unsqueeze(1) & valid.unsqueeze(0)).flatten(1, 2)
-
-    keys, values, key_pos, valid = _gather(codec, cache, block_tables, seq_lens)
+    heads, head_size = q.shape[1], q.shape[2]
+    block_size, kv_heads = cache[0].shape[1], cache[0].shape[2]
+    groups = heads // kv_heads
+    seq_lens = seq_lens.to(torch.int64)
+    qs = _Queries(query_start_loc, positions)
     if recent_window:
-        plain = make_codec("auto", q.shape[-1], model_dtype=_DTYPE_NAMES[recent_cache[0].dtype])
-        r_keys, r_values, r_pos, r_valid = _gather(
-            plain, recent_cache, recent_block_tables, seq_lens
-        )
-        first_recent = qpos - recent_window + 1
+        plain = make_codec("auto", head_size, model_dtype=_DTYPE_NAMES[recent_cache[0].dtype])
+        first_recent = qs.pos.unsqueeze(2) - recent_window + 1  # [S, Q, 1]
+        lookback = recent_window if window is None else min(window, recent_window)
         segments = [
-            (keys, values, visible(key_pos, valid, hi=first_recent - 1)),
-            (r_keys, r_values, visible(r_pos, r_valid, lo=first_recent)),
-        ]
+            (codec, cache, _Segment(qs, block_tables, seq_lens, block_size, kv_heads, window,
+                                    recent_window, window, hi=first_recent - 1)),
+            (plain, recent_cache, _Segment(qs, recent_block_tables, seq_lens, block_size,
+                                           kv_heads, lookback, 0, window, lo=first_recent)),
+        ]  # fmt: skip
     else:
-        segments = [(keys, values, visible(key_pos, valid))]
-    kv_heads, head_size = keys.shape[-2], keys.shape[-1]
-    k_all = torch.cat([k.reshape(-1, kv_heads, head_size) for k, _, _ in segments])
-    v_all = torch.cat([v.reshape(-1, kv_heads, head_size) for _, v, _ in segments])
-    seen = torch.cat([m for _, _, m in segments], dim=1)  # [T, J]
+        segments = [
+            (codec, cache, _Segment(qs, block_tables, seq_lens, block_size, kv_heads, window,
+                                    0, window)),
+        ]  # fmt: skip
+    seen = torch.cat([seg.seen for _, _, seg in segments], dim=-1)  # [S, Q, C_all]
+    seqs, width = seen.shape[0], qs.width
+    mask = seen.unsqueeze(1).unsqueeze(3)  # [S, 1, Q, 1, C_all]
+    # a query that sees keys gives the others -inf; one that sees none gets uniform weights
+    # (its output is zeroed below), never NaN
+    fill = torch.where(seen.any(dim=-1), float("-inf"), 0.0)[:, None, :, None, None]
 
-    groups = q.shape[1] // kv_heads
-    qg = q.float().reshape(tokens, kv_heads, groups, head_size).permute(1, 0, 2, 3)
-    qg = qg.reshape(kv_heads, tokens * groups, head_size)  # [KVH, T*G, D]
-    scores = torch.matmul(qg, k_all.permute(1, 2, 0)) * scale  # [KVH, T*G, J]
+    # this layer's data: queries per sequence, keys, values
+    qf = torch.cat([q.float(), q.new_zeros((1, heads, head_size), dtype=torch.float32)])
+    qg = qf[qs.row].unflatten(2, (kv_heads, groups)).permute(0, 2, 1, 3, 4)  # [S,KVH,Q,G,D]
+    qg = qg.reshape(seqs, kv_heads, width * groups, head_size)
+    operands = [c.attention_operands(seg.gather(c, t)) for c, t, seg in segments]
+    scores = torch.cat([_scores(ops, qg, scale) for ops in operands], dim=-1)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.reshape(kv_heads, tokens, groups, -1)
-    mask = seen.unsqueeze(0).unsqueeze(2)  # [1, T, 1, J]
-    scores = torch.where(mask, scores, torch.full_like(scores, float("-inf")))
-    any_visible = seen.any(dim=1)  # [T]
-    scores = torch.where(any_visible[None, :, None, None], scores, torch.zeros_like(scores))
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.where(mask, probs, torch.zeros_like(probs))
-    out = torch.matmul(probs.reshape(kv_heads, tokens * groups, -1), v_all.permute(1, 0, 2))
-    out = out.reshape(kv_heads, tokens, groups, head_size).permute(1, 0, 2, 3)
-    return out.reshape(tokens, kv_heads * groups, head_size).to(q.dtype)
+    scores = torch.where(mask, scores.reshape(seqs, kv_heads, width, groups, -1), fill)
+    probs = torch.softmax(scores, dim=-1).reshape(seqs, kv_heads, width * groups, -1)
+    out, at = None, 0
+    for ops, (_, _, seg) in zip(operands, segments, strict=True):
+        n = seg.seen.shape[-1]
+        part = _apply_values(ops, probs[..., at : at + n], seg)
+        out, at = part if out is None else out + part, at + n
+    out = out.reshape(seqs, kv_heads, width, groups, head_size).permute(0, 2, 1, 3, 4)
+    out = out.reshape(seqs * width, heads, head_size)[qs.token_row]
+    sees = seen.any(dim=-1).flatten()[qs.token_row] & qs.belongs  # [T]
+    return torch.where(sees[:, None, None], out, 0.0).to(q.dtype)
 
 
 _DTYPE_NAMES = {dt: name for name, dt in MODEL_DTYPES.items()}

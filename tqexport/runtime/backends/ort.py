@@ -1,8 +1,12 @@
 """Run artifact steps on ONNX Runtime (CPU EP; CUDA EP when onnxruntime-gpu and a GPU exist).
 
-Caches live in numpy buffers allocated from the spec. With ``in_place`` (the default) every
-cache output is bound onto its input's buffer, so ORT's ScatterND updates the cache where it
-lies instead of copying it each step.
+Caches are ORT values on the session's device, allocated once from the spec: on the CPU they
+wrap numpy buffers (``caches``, the same memory), with the CUDA provider they live in device
+memory and never cross the bus (``cache_array`` copies one to the host on request). With
+``in_place`` (the default) every cache output is bound onto its input's value, so ORT's
+ScatterND updates the cache where it lies instead of copying it each step; the binding is made
+once and only the step inputs are rebound per step. ``in_place=False`` feeds and fetches host
+copies every step (the reference the in-place path is tested against).
 """
 
 from __future__ import annotations
@@ -15,10 +19,58 @@ from tqexport.errors import TQExportError
 from tqexport.runtime.artifact import Artifact
 from tqexport.runtime.caches import allocate_caches
 
+#: Session settings, chosen by measurement (README "Benchmarks", ``benchmarks/ort_options.py``):
+#: every graph optimization (the common-subexpression pass that computes the layers' shared
+#: step indices once, constant folding, MatMul + Transpose fusions; basic/extended measured
+#: no better); no
+#: memory-pattern planning (shapes change every step as the context grows, so a plan is never
+#: reused: 1.2-1.3x slower with it); the CPU arena kept (1.1-1.5x slower without); intra-op
+#: threads that sleep instead of spinning between kernels (spinning threads take the cores
+#: from the ones working, from other sessions and other processes: up to 1.9x slower at
+#: batch 8 on 2 shared cores). Threads: ORT's default (one per physical core).
+DEFAULT_OPTIONS = {
+    "graph_optimization_level": "all",
+    "enable_mem_pattern": False,
+    "enable_cpu_mem_arena": True,
+    "allow_spinning": False,
+}
+
+_LEVELS = {
+    "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
 
 def providers() -> list[str]:
     available = ort.get_available_providers()
     return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+
+
+def session_options(threads: int | None = None, /, **overrides) -> ort.SessionOptions:
+    """SessionOptions from :data:`DEFAULT_OPTIONS` updated with ``overrides``: the keys there
+    (``allow_spinning``: intra-op threads spin while waiting for work), ``threads``
+    (overrides ``threads``), ``profile`` (a file prefix: ORT's per-node profile is written
+    there at the end of the session)."""
+    cfg = {**DEFAULT_OPTIONS, **overrides}
+    unknown = set(cfg) - {*DEFAULT_OPTIONS, "threads", "profile"}
+    if unknown:
+        raise TQExportError(f"unknown ORT session option(s): {', '.join(sorted(unknown))}")
+    opts = ort.SessionOptions()
+    threads = cfg.get("threads", threads)
+    if threads:
+        opts.intra_op_num_threads = threads
+    opts.graph_optimization_level = _LEVELS[cfg["graph_optimization_level"]]
+    opts.enable_mem_pattern = bool(cfg["enable_mem_pattern"])
+    opts.enable_cpu_mem_arena = bool(cfg["enable_cpu_mem_arena"])
+    opts.add_session_config_entry(
+        "session.intra_op.allow_spinning", "1" if cfg["allow_spinning"] else "0"
+    )
+    if cfg.get("profile"):
+        opts.enable_profiling = True
+        opts.profile_file_prefix = str(cfg["profile"])
+    return opts
 
 
 class OrtBackend:
@@ -30,49 +82,87 @@ class OrtBackend:
         num_blocks: int | list[int],
         threads: int | None = None,
         in_place=True,
+        device: str | None = None,
+        options: dict | None = None,
     ):
-        if artifact.spec.dtype == "bfloat16" and providers() == ["CPUExecutionProvider"]:
+        """``device``: where caches live, ``"cpu"`` or ``"cuda"`` (default: cuda when the CUDA
+        provider is available, else cpu). ``options``: overrides of :data:`DEFAULT_OPTIONS`
+        (see :func:`session_options`)."""
+        available = providers()
+        if device is None:
+            device = "cuda" if "CUDAExecutionProvider" in available else "cpu"
+        if device not in ("cpu", "cuda"):
+            raise TQExportError(f"unknown ORT device {device!r}; use cpu or cuda")
+        if device == "cuda" and "CUDAExecutionProvider" not in available:
+            raise TQExportError("device cuda needs onnxruntime-gpu with a CUDA device")
+        session_providers = available if device == "cuda" else ["CPUExecutionProvider"]
+        if artifact.spec.dtype == "bfloat16" and device == "cpu":
             raise TQExportError(
                 "this artifact is bfloat16, a GPU target: ONNX Runtime's CPU provider has no "
                 "bf16 MatMul; rebuild with --dtype float32 or float16 for CPU"
             )
-        opts = ort.SessionOptions()
-        if threads:
-            opts.intra_op_num_threads = threads
         self.spec = artifact.spec
         self.in_place = in_place
-        # IO binding below uses CPU buffers; the CUDA EP copies them (no device-side cache yet).
-        self.session = ort.InferenceSession(str(artifact.model_file), opts, providers=providers())
+        self.device = device
+        self.session = ort.InferenceSession(
+            str(artifact.model_file), session_options(threads, **(options or {})),
+            providers=session_providers,
+        )  # fmt: skip
         self.input_names = [i.name for i in self.session.get_inputs()]
-        self.caches = {n: t.numpy() for n, t in allocate_caches(self.spec, num_blocks).items()}
+        host = {n: t.numpy() for n, t in allocate_caches(self.spec, num_blocks).items()}
+        #: cache input name -> its buffer as an OrtValue on ``device`` (CPU: wraps ``caches``)
+        self.cache_values: dict[str, ort.OrtValue] = {}
+        if in_place:
+            for n, arr in host.items():
+                self.cache_values[n] = ort.OrtValue.ortvalue_from_numpy(arr, device, 0)
+        self._host = host if device == "cpu" or not in_place else None
+        self._binding = None
+
+    @property
+    def caches(self) -> dict[str, np.ndarray]:
+        """Cache input name -> host array: on the CPU the live buffers themselves; for
+        device-resident caches, host copies made now (use :meth:`cache_array` for one)."""
+        if self._host is not None:
+            return self._host
+        return {n: v.numpy() for n, v in self.cache_values.items()}
+
+    def cache_array(self, name: str) -> np.ndarray:
+        return self._host[name] if self._host is not None else self.cache_values[name].numpy()
+
+    def _bound(self) -> ort.IOBinding:
+        """The session's binding with every cache input and output bound onto its value."""
+        if self._binding is None:
+            binding = self.session.io_binding()
+            binding.bind_output("logits")  # first: outputs come back in binding order
+            self._output_names = ["logits"]
+            for name, value in self.cache_values.items():
+                out_name = name.replace("cache.", "cache_out.", 1)
+                binding.bind_ortvalue_input(name, value)
+                binding.bind_ortvalue_output(out_name, value)
+                self._output_names.append(out_name)
+            self._binding = binding
+        return self._binding
 
     def run(self, step: dict[str, torch.Tensor]) -> torch.Tensor:
         """One step; caches are updated; returns logits ``[L, vocab]``."""
         if not self.in_place:
-            feed = {n: step[n].numpy() if n in step else self.caches[n] for n in self.input_names}
+            feed = {n: step[n].numpy() if n in step else self._host[n] for n in self.input_names}
             names = [o.name for o in self.session.get_outputs()]
             out = dict(zip(names, self.session.run(names, feed), strict=True))
-            for n in self.caches:
-                self.caches[n] = out[n.replace("cache.", "cache_out.", 1)]
+            for n in self._host:
+                self._host[n] = out[n.replace("cache.", "cache_out.", 1)]
             return torch.from_numpy(out["logits"])
-        binding = self.session.io_binding()
-        binding.bind_output("logits")  # first: outputs come back in binding order
-        keep, bound = [], []
+        binding = self._bound()
+        keep = []
         for name in self.input_names:
-            if name in self.caches:
-                buf = self.caches[name]
-                for bind, n in (
-                    (binding.bind_input, name),
-                    (binding.bind_output, name.replace("cache.", "cache_out.", 1)),
-                ):
-                    bind(n, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
-                bound.append(name.replace("cache.", "cache_out.", 1))
-            else:
+            if name not in self.cache_values:
                 arr = np.ascontiguousarray(step[name].numpy())
                 keep.append(arr)
                 binding.bind_cpu_input(name, arr)
+        # rebinding keeps logits' place; host memory, allocated by ORT for this step's shape
+        binding.bind_output("logits")
         self.session.run_with_iobinding(binding)
-        outputs = binding.get_outputs()
+        outputs = dict(zip(self._output_names, binding.get_outputs(), strict=True))
         #: output buffer address per cache output, to check the update happened in place
-        self.last_output_ptrs = {n: v.data_ptr() for n, v in zip(bound, outputs[1:], strict=True)}
-        return torch.from_numpy(outputs[0].numpy())
+        self.last_output_ptrs = {n: v.data_ptr() for n, v in outputs.items() if n != "logits"}
+        return torch.from_numpy(outputs["logits"].numpy())

@@ -1,0 +1,224 @@
+"""Decode tokens/s of tqexport on ONNX Runtime CPU against peers, all in one run, interleaved.
+
+Peers (installed by the project's extras: ``pip install -e '.[peers-speed]'`` for ONNX Runtime
+GenAI, ``'.[peers]'`` for llama.cpp):
+
+- ONNX Runtime GenAI: its model builder's fp32 CPU model of the same weights (built once,
+  offline, from the HF directory tqexport converts the GGUF into; GroupQueryAttention over a
+  contiguous KV buffer shared between steps). The prompt is prefilled outside the timing.
+- llama.cpp (llama-cpp-python) on the GGUF itself, f16 / q8_0 / q4_0 K and V caches, flash
+  attention, batch 1 (its Python API decodes one sequence).
+- tqexport: the artifacts of ``tqexport bench speed`` (built once into ``--workdir``): B
+  sequences with C cached tokens, single-token decode steps.
+
+For each (context, batch) point every system takes one warm-up step, then step s of every
+system runs before step s + 1 of any, so a loaded machine slows them alike; the fastest step
+counts. Compare ratios measured in the same run, not absolute numbers across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tqexport.bench.speed import artifact_for
+from tqexport.runtime.backends.ort import OrtBackend
+from tqexport.runtime.steps import SeqChunk, build_step
+
+
+def hf_dir(model: str, out: Path) -> Path:
+    """The HF checkpoint tqexport loads for MODEL (GGUF converted and cached), as a directory
+    GenAI's builder reads (it needs ``architectures`` in config.json)."""
+    from tqexport.models import builtins, loader
+
+    loader.load_model(model)  # converts and caches a GGUF once
+    src = loader._gguf_cache(builtins.smollm2_gguf()) if model == "smollm2" else Path(model)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    config = json.loads((src / "config.json").read_text())
+    config.setdefault("architectures", ["LlamaForCausalLM"])
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def genai_model_dir(model: str, workdir: Path) -> Path:
+    out = workdir / f"genai-{Path(model).name}-fp32"
+    if not (out / "genai_config.json").is_file():
+        src = hf_dir(model, workdir / f"{Path(model).name}-hf")
+        cmd = [
+            sys.executable,
+            "-m",
+            "onnxruntime_genai.models.builder",
+            "-i",
+            str(src),
+            "-o",
+            str(out),
+            "-p",
+            "fp32",
+            "-e",
+            "cpu",
+            "-c",
+            str(workdir / "genai-cache"),
+        ]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+class GenAI:
+    """One GenAI generator holding ``batch`` prompts of ``context`` tokens."""
+
+    def __init__(self, model, context: int, batch: int, steps: int):
+        import onnxruntime_genai as og
+
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=context + steps + 2, batch_size=batch, do_sample=False)
+        self.gen = og.Generator(model, params)
+        rng = np.random.default_rng(0)
+        self.gen.append_tokens(rng.integers(10, 30000, (batch, context)).astype(np.int32))
+        self.gen.generate_next_token()  # the prompt's own next token (no decode step yet)
+
+    def step(self):
+        self.gen.generate_next_token()
+
+
+class LlamaCpp:
+    def __init__(self, gguf: Path, kv_type: str, context: int, threads: int):
+        import llama_cpp
+
+        ggml = getattr(llama_cpp, f"GGML_TYPE_{kv_type.upper()}")
+        self.llm = llama_cpp.Llama(
+            str(gguf),
+            n_ctx=context + 64,
+            n_batch=512,
+            flash_attn=True,
+            type_k=ggml,
+            type_v=ggml,
+            n_threads=threads,
+            verbose=False,
+        )
+        rng = np.random.default_rng(0)
+        self.llm.eval(rng.integers(10, 30000, context).tolist())
+
+    def step(self):
+        self.llm.eval([7])
+
+
+class Tqexport:
+    def __init__(self, art, context: int, batch: int, steps: int, threads):
+        spec = art.spec
+        per_seq = -(-(context + steps + 2) // spec.block_size)
+        self.backend = OrtBackend(art, 1 + batch * per_seq, threads)
+        self.spec, self.pos = spec, context
+        self.tables = [
+            [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))] * len(spec.groups)
+            for i in range(batch)
+        ]
+
+    def step(self):
+        self.backend.run(build_step(self.spec, [SeqChunk([7], self.pos, t) for t in self.tables]))
+        self.pos += 1
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--contexts", default="256,1024,4096")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument(
+        "--dtypes",
+        default="auto,fp8,turboquant_4bit_nc,turboquant_4bit_nc:32",
+        help="tqexport kv dtypes; DTYPE:N adds a recent window of N",
+    )
+    ap.add_argument("--llama-kv", default="f16,q8_0,q4_0")
+    ap.add_argument("--no-genai", action="store_true")
+    ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--max-cached-tokens",
+        type=int,
+        default=32768,
+        help="skip points whose batch x context exceeds this (memory, time)",
+    )
+    ap.add_argument(
+        "--peer-max-cached-tokens",
+        type=int,
+        default=8192,
+        help="the same for GenAI, which prefills every prompt (slow at batch 8)",
+    )
+    ap.add_argument("--workdir", type=Path, default=Path("out/bench"))
+    ap.add_argument("--peer-workdir", type=Path, default=Path("out/peers"))
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    configs = {}
+    for d in args.dtypes.split(","):
+        name, _, window = d.partition(":")
+        label = f"{name} recent {window}" if window else name
+        configs[label] = artifact_for(args.model, name, args.workdir, int(window or 0))
+    genai = None
+    if not args.no_genai:
+        import onnxruntime_genai as og
+
+        cfg = og.Config(str(genai_model_dir(args.model, args.peer_workdir)))
+        cfg.clear_providers()  # CPU
+        genai = og.Model(cfg)
+    gguf = None
+    if not args.no_llama:
+        from tqexport.bench import peers
+
+        gguf = peers.gguf_path(args.model) if peers.available() else None
+        if gguf is None:
+            print("llama.cpp: not installed (pip install -e '.[peers]'), skipped", flush=True)
+    rows = []
+    for c in (int(x) for x in args.contexts.split(",")):
+        for b in (int(x) for x in args.batches.split(",")):
+            if b * c > args.max_cached_tokens:
+                continue
+            systems = {
+                f"tqexport {n}": Tqexport(a, c, b, args.steps, args.threads)
+                for n, a in configs.items()
+            }
+            if genai is not None and b * c <= args.peer_max_cached_tokens:
+                systems["ORT GenAI fp32"] = GenAI(genai, c, b, args.steps)
+            if gguf is not None and b == 1:
+                for kv in args.llama_kv.split(","):
+                    systems[f"llama.cpp {kv}"] = LlamaCpp(gguf, kv, c, args.threads)
+            times = {n: [] for n in systems}
+            for _ in range(args.steps + 1):
+                for n, sys_ in systems.items():
+                    t0 = time.perf_counter()
+                    sys_.step()
+                    times[n].append(time.perf_counter() - t0)
+            tps = {n: b / min(t[1:]) for n, t in times.items()}
+            rows.append({"context": c, "batch": b, "tokens_per_second": tps})
+            print(json.dumps(rows[-1]), flush=True)
+            del systems
+    print_table(rows)
+    if args.json:
+        args.json.write_text(
+            json.dumps({"threads": args.threads, "steps": args.steps, "decode": rows}, indent=2)
+        )
+
+
+def print_table(rows):
+    names = list(dict.fromkeys(n for r in rows for n in r["tokens_per_second"]))
+    ref = "ORT GenAI fp32"
+    print("| context | batch | " + " | ".join(names) + " | tqexport auto / GenAI |")
+    print("|---" * (len(names) + 3) + "|")
+    for r in rows:
+        t = r["tokens_per_second"]
+        ratio = f"{t['tqexport auto'] / t[ref]:.2f}x" if ref in t and "tqexport auto" in t else "-"
+        cells = [f"{t[n]:.1f}" if n in t else "-" for n in names]
+        print(f"| {r['context']} | {r['batch']} | " + " | ".join(cells) + f" | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
