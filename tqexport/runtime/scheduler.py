@@ -17,6 +17,8 @@ class Scheduler:
         self.max_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        #: preemptions since the scheduler was made (a metric)
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         if not self.blocks.fits_ever(len(seq.prompt) + 1):
@@ -38,6 +40,7 @@ class Scheduler:
         seq.num_cached = 0
         seq.status = Status.WAITING
         seq.preemptions += 1
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
@@ -81,3 +84,14 @@ class Scheduler:
         seq.finish(reason)
         self.blocks.free(seq)
         self.running.remove(seq)
+
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        """End a waiting or running request now (finished ones are left alone); its blocks are
+        freed at once."""
+        if seq.status is Status.RUNNING:
+            self.finish(seq, reason)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+            if seq.block_tables:
+                self.blocks.free(seq)
+            seq.finish(reason)

@@ -1,0 +1,66 @@
+"""Every serving setting in one object: the engine, ``run``, ``inspect`` and ``serve`` share it.
+
+Nothing here imports torch, so the command line can take its option defaults from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tqexport import validate
+from tqexport.errors import TQExportError
+
+#: the KV budget when neither ``num_blocks`` nor ``kv_cache_memory`` is given
+DEFAULT_KV_CACHE_MEMORY = "512MiB"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every serving setting, checked when made; the command line takes its defaults from here.
+
+    ``num_blocks`` or ``kv_cache_memory`` sizes the caches (neither: DEFAULT_KV_CACHE_MEMORY);
+    ``threads`` is ONNX Runtime's intra-op thread count (None: its default)."""
+
+    backend: str = "ort"
+    num_blocks: int | None = None
+    kv_cache_memory: str | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    threads: int | None = None
+    chat_template: bool = True
+
+    def __post_init__(self):
+        validate.serving(
+            self.num_blocks, self.max_num_seqs, self.max_num_batched_tokens, self.backend
+        )
+        if self.num_blocks is not None and self.kv_cache_memory is not None:
+            raise TQExportError("give --num-blocks or --kv-cache-memory, not both")
+        if self.kv_cache_memory is not None:
+            from tqexport.runtime.executor import parse_memory
+
+            parse_memory(self.kv_cache_memory)
+        if self.threads is not None:
+            validate.integer(self.threads, "--threads", 1)
+        if not isinstance(self.chat_template, bool):
+            raise TQExportError(f"chat_template must be True or False, got {self.chat_template!r}")
+
+    @property
+    def memory(self) -> str | None:
+        """The KV budget in effect (None when ``num_blocks`` sizes the caches)."""
+        if self.num_blocks is not None:
+            return None
+        return self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+
+    def group_blocks(self, artifact, memory_limit: int | None = None) -> list[int]:
+        """Blocks per cache group these settings give ``artifact`` (what ``inspect`` prints);
+        ``memory_limit``: bytes the caches may take at most."""
+        from tqexport.runtime.executor import resolve_num_blocks
+
+        return resolve_num_blocks(
+            artifact,
+            self.num_blocks,
+            self.memory,
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            memory_limit=memory_limit,
+        )

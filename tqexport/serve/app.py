@@ -1,0 +1,297 @@
+"""The OpenAI-compatible HTTP app of one engine: /v1/models, /v1/completions,
+/v1/chat/completions (whole or streamed), /health and /metrics.
+
+Every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}``; an unexpected one
+is a 500 with no traceback (logged on the server). A client that disconnects aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import replace
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from tqexport.errors import TQExportError
+from tqexport.runtime.engine import Engine
+from tqexport.serve.loop import EngineFailed, EngineLoop
+from tqexport.serve.metrics import Metrics
+from tqexport.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    parse,
+)
+from tqexport.serve.responses import Response as Reply
+from tqexport.serve.responses import sse
+
+log = logging.getLogger("tqexport.serve")
+
+#: the largest request body read (413 past it)
+MAX_BODY_BYTES = 8 * 2**20
+#: the response header naming the replica that served a request (when there are several)
+REPLICA_HEADER = "x-tqexport-replica"
+_GONE = object()  # the client disconnected
+
+
+def create_app(
+    engine: Engine,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    replica: str | None = None,
+) -> FastAPI:
+    """The app serving ``engine`` as model ``served_model_name``; with ``api_key`` every /v1
+    route needs ``Authorization: Bearer <api_key>``. The engine loop runs while the app does.
+    ``replica`` (one of several behind a proxy) is sent on every response as REPLICA_HEADER."""
+    loop = EngineLoop(engine)
+    metrics = Metrics(engine)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop.start()
+        try:
+            yield
+        finally:
+            loop.stop()
+
+    app = FastAPI(title="tqexport serve", lifespan=lifespan)
+    app.state.engine_loop = loop
+    app.state.metrics = metrics
+
+    if replica is not None:
+        app.add_middleware(_NameReplica, replica=replica)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        log.exception("unexpected error serving %s", request.url.path)
+        return JSONResponse(error_body("internal server error", "server_error"), 500)
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+
+    async def read_json(request: Request):
+        too_big = APIError(
+            413, f"the request body is over {max_body_bytes} bytes", code="request_too_large"
+        )
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > max_body_bytes:
+            raise too_big
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_body_bytes:
+                raise too_big
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+    async def admit(req, prompt, chat: bool):
+        """Validate, then admit on the engine thread; returns (request id, prompt ids, queue)."""
+        if req.model != served_model_name:
+            raise APIError(
+                404,
+                f"the model {req.model!r} does not exist; this server serves {served_model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        stop = req.stop_strings()
+        requested = req.max_new_tokens()
+        params = req.sampling(requested or 1)
+
+        def build(engine: Engine):
+            ids = engine.encode(prompt, chat_template=None if chat else False)
+            n = requested if requested is not None else engine.max_new_tokens(len(ids))
+            if n is None:
+                raise TQExportError("max_tokens is required: this model has no context limit")
+            if n < 1:
+                raise TQExportError(
+                    f"a prompt of {len(ids)} tokens leaves no room to generate (the limit is "
+                    f"{engine.max_seq_len} tokens)"
+                )
+            rid = engine.add_request(
+                ids, replace(params, max_tokens=n), stop=stop, ignore_eos=req.ignore_eos
+            )
+            return rid, ids
+
+        try:
+            return await loop.submit(build)
+        except TQExportError as e:
+            raise APIError(400, str(e)) from None
+
+    async def generate(request: Request, req, prompt, chat: bool, arrival: float):
+        rid, prompt_ids, outputs = await admit(req, prompt, chat)
+        reply = Reply(chat, served_model_name, prompt_ids, req.return_token_ids)
+        timing = _Timing(metrics, arrival)
+        if req.stream:
+            return StreamingResponse(
+                _stream(loop, rid, outputs, reply, timing, req.include_usage),
+                media_type="text/event-stream",
+            )
+        return await _whole(request, loop, rid, outputs, reply, timing)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics_text():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_key(request)
+        card = {
+            "id": served_model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "tqexport",
+            "root": str(engine.artifact.path),
+            "max_model_len": engine.max_seq_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        arrival = time.monotonic()
+        check_key(request)
+        req = parse(CompletionRequest, await read_json(request))
+        return await generate(request, req, req.prompt_value(), False, arrival)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        arrival = time.monotonic()
+        check_key(request)
+        req = parse(ChatCompletionRequest, await read_json(request))
+        return await generate(request, req, req.message_list(), True, arrival)
+
+    return app
+
+
+class _NameReplica:
+    """ASGI middleware adding REPLICA_HEADER to every response (pure ASGI: streaming and
+    disconnects pass through untouched)."""
+
+    def __init__(self, app, replica: str):
+        self.app, self.header = app, (REPLICA_HEADER.encode(), replica.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def named(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, named)
+
+
+class _Timing:
+    """One request's latency metrics: time to first token, end to end, finish reason."""
+
+    def __init__(self, metrics: Metrics, arrival: float):
+        self.metrics, self.arrival, self.first = metrics, arrival, False
+
+    def tokens(self, n: int) -> None:
+        if n and not self.first:
+            self.first = True
+            self.metrics.ttft.observe(time.monotonic() - self.arrival)
+
+    def finished(self, reason: str) -> None:
+        if reason != "abort":
+            self.metrics.latency.observe(time.monotonic() - self.arrival)
+        self.metrics.finished.labels(reason).inc()
+
+
+async def _watch_disconnect(request: Request, outputs: asyncio.Queue) -> None:
+    """Put _GONE on the queue when the client disconnects (the body is read by then)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            outputs.put_nowait(_GONE)
+            return
+
+
+async def _whole(request, loop: EngineLoop, rid, outputs, reply: Reply, timing: _Timing):
+    watcher = asyncio.create_task(_watch_disconnect(request, outputs))
+    tokens, text, finished = [], [], False
+    try:
+        while True:
+            item = await outputs.get()
+            if item is _GONE:
+                return Response(status_code=499)  # nobody reads it; nginx's "client closed"
+            if isinstance(item, EngineFailed):
+                raise APIError(503, str(item), type="server_error")
+            timing.tokens(len(item.new_token_ids))
+            tokens += item.new_token_ids
+            text.append(item.text)
+            if item.finished:
+                finished = True
+                timing.finished(item.finish_reason)
+                return reply.whole("".join(text), tokens, item.finish_reason)
+    finally:
+        watcher.cancel()
+        if not finished:
+            loop.abort(rid)
+            timing.finished("abort")
+
+
+async def _stream(loop: EngineLoop, rid, outputs, reply: Reply, timing: _Timing, usage: bool):
+    """SSE chunks of one request, ending with ``data: [DONE]``; a disconnect (the response
+    task is cancelled) aborts the request."""
+    finished, count = False, 0
+    try:
+        if reply.chat:
+            yield sse(reply.chunk("", [], None, first=True))
+        first = not reply.chat
+        while True:
+            item = await outputs.get()
+            if isinstance(item, EngineFailed):
+                yield sse(error_body(str(item), "server_error"))
+                break
+            timing.tokens(len(item.new_token_ids))
+            count += len(item.new_token_ids)
+            if item.text or item.finished or reply.return_token_ids:
+                yield sse(reply.chunk(item.text, item.new_token_ids, item.finish_reason, first))
+                first = False
+            if item.finished:
+                finished = True
+                timing.finished(item.finish_reason)
+                break
+        if usage:
+            yield sse(reply.usage_chunk(count))
+        yield sse("[DONE]")
+    finally:
+        if not finished:
+            loop.abort(rid)
+            timing.finished("abort")

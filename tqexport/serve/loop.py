@@ -1,0 +1,130 @@
+"""The one engine loop behind every HTTP request: continuous batching across connections.
+
+A single thread owns the :class:`~tqexport.runtime.engine.Engine`. Requests and aborts from
+the event loop reach it through a queue and join the running batch between two steps; each
+step's outputs go back to their request's asyncio queue. The backend's run releases the GIL,
+so the event loop keeps serving connections while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from tqexport.errors import TQExportError
+from tqexport.runtime.engine import Engine, RequestOutput
+
+log = logging.getLogger("tqexport.serve")
+
+#: ``build(engine) -> (request id, prompt token ids)``, run on the engine thread
+Build = Callable[[Engine], tuple[str, list[int]]]
+
+
+class EngineFailed(Exception):
+    """The engine raised during a step; every request in flight then ends with this error."""
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, Callable[[RequestOutput | Exception], None]] = {}
+        self._thread = threading.Thread(target=self._run, name="tqexport-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the loop: requests still in flight are aborted."""
+        if self._thread.is_alive():
+            self._commands.put(("stop",))
+            self._thread.join(timeout)
+
+    async def submit(self, build: Build) -> tuple[str, list[int], asyncio.Queue]:
+        """Admit a request on the engine thread; returns its id, prompt ids and output queue.
+        Raises what ``build`` raised (TQExportError: the request can never run)."""
+        loop = asyncio.get_running_loop()
+        admitted: asyncio.Future = loop.create_future()
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        def sink(item):
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+        def settle(result):
+            if admitted.cancelled():  # the client left while it was admitted
+                if not isinstance(result, BaseException):
+                    self.abort(result[0])
+            elif isinstance(result, BaseException):
+                admitted.set_exception(result)
+            else:
+                admitted.set_result(result)
+
+        def done(result):
+            loop.call_soon_threadsafe(settle, result)
+
+        self._commands.put(("add", build, sink, done))
+        rid, prompt = await admitted
+        return rid, prompt, outputs
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe; unknown or finished ids are ignored)."""
+        self._commands.put(("abort", request_id))
+
+    def _run(self) -> None:
+        while True:
+            busy = self.engine.has_unfinished()
+            try:
+                cmd = self._commands.get(block=not busy)
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                if cmd[0] == "stop":
+                    self._fail_all(EngineFailed("the server is shutting down"))
+                    return
+                self._command(cmd)
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self.engine.has_unfinished():
+                self._step()
+
+    def _command(self, cmd: tuple) -> None:
+        if cmd[0] == "abort":
+            self.engine.abort(cmd[1])
+            self._sinks.pop(cmd[1], None)
+            return
+        _, build, sink, done = cmd
+        try:
+            rid, prompt = build(self.engine)
+        except TQExportError as e:
+            done(e)
+            return
+        except Exception as e:  # one bad request never stops the loop
+            log.exception("admitting a request failed")
+            done(e)
+            return
+        self._sinks[rid] = sink
+        done((rid, prompt))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed")
+            self._fail_all(EngineFailed(f"the engine failed: {e}"))
+            return
+        for out in outputs:
+            sinks = self._sinks
+            sink = sinks.pop(out.request_id, None) if out.finished else sinks.get(out.request_id)
+            if sink is not None:
+                sink(out)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid, sink in list(self._sinks.items()):
+            self.engine.abort(rid)
+            sink(error)
+        self._sinks.clear()
