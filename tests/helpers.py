@@ -146,6 +146,14 @@ def assert_same_generation(logits, a, b, near_tie=NEAR_TIE):
     )
 
 
+#: kv dtypes whose numeric tests also run at 2 ORT threads (a second summation order): one per
+#: codec path (aliases and formats of one codec read the same ORT kernels)
+TWO_THREAD_DTYPES = (
+    "auto", "fp8", "int8_per_token_head", "int4_per_token_head", "nvfp4", "turboquant_k8v4",
+    "turboquant_4bit_nc", "turboquant_3bit_nc", "tqx_k4v3_g32",
+)  # fmt: skip
+
+
 #: a chat template for byte-tokenizer artifacts: <role>content lines, then <assistant>
 BYTE_CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"

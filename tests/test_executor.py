@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import assert_greedy, assert_same_generation, teacher_forced
+from helpers import TWO_THREAD_DTYPES, assert_greedy, assert_same_generation, teacher_forced
 
 from tqexport.kvquant.modes import kv_cache_dtype_names
 from tqexport.models.paged import PagedCausalLM
@@ -36,8 +36,8 @@ def reference_module(art):
 
 @pytest.mark.parametrize("dtype", [d for d in kv_cache_dtype_names() if d != "bfloat16"])
 def test_greedy_ort_agrees_with_torch_reference(artifacts, dtype):
-    """ORT (at 1 and 2 threads: two summation orders) and the torch backend generate what the
-    reference predicts, and the same tokens up to a near tie."""
+    """ORT (at 1 thread, and 2 for one dtype per codec path: two summation orders) and the
+    torch backend generate what the reference predicts, and the same tokens up to a near tie."""
     art = open_artifact(artifacts("tiny-llama", dtype))
     ps = prompts(3)
     torch_ex = Executor(art, "torch", num_blocks=32)
@@ -46,7 +46,7 @@ def test_greedy_ort_agrees_with_torch_reference(artifacts, dtype):
     module.mode = "functional"
     for p, t in zip(ps, torch_out):
         assert_greedy(teacher_forced(module, art.spec, p, t), t)
-    for threads in (1, 2):
+    for threads in (1, 2) if dtype in TWO_THREAD_DTYPES else (1,):
         ort_ex = Executor(art, "ort", num_blocks=32, threads=threads)
         for p, o, t in zip(ps, [s.output for s in ort_ex.generate(ps, GREEDY32)], torch_out):
             assert len(o) == 32
