@@ -10,6 +10,12 @@ from tqexport.kvquant.codecs import torch_dtype
 from tqexport.spec import CacheGroup, ModelSpec
 
 
+def cache_output_name(cache_input: str) -> str:
+    """The graph output that carries a cache input's updated tensor (``cache.L.role`` ->
+    ``cache_out.L.role``, as ``LayerSpec.onnx_input``/``onnx_output`` name them)."""
+    return cache_input.replace("cache.", "cache_out.", 1)
+
+
 def per_group(spec: ModelSpec, num_blocks: int | Sequence[int]) -> list[int]:
     """Blocks per cache group (by group id); one int gives every group that many."""
     if isinstance(num_blocks, int):

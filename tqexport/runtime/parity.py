@@ -33,7 +33,7 @@ from tqexport.ops.library import codec_for
 from tqexport.runtime.artifact import Artifact
 from tqexport.runtime.backends.ort import providers
 from tqexport.runtime.backends.torch import load_source_model
-from tqexport.runtime.caches import allocate_caches
+from tqexport.runtime.caches import allocate_caches, cache_output_name
 from tqexport.runtime.steps import SeqChunk, build_step, ordered_inputs
 from tqexport.spec import ModelSpec
 
@@ -238,7 +238,7 @@ def run_parity(
         ref_caches = dict(zip(cache_names, ref_out[1:], strict=True))
         out = tapped.run(step, ort_caches)
         report.layers += _check_layers(spec, step, ort_caches, out, tapped.taps, i)
-        ort_caches = {n: out[n.replace("cache.", "cache_out.", 1)] for n in cache_names}
+        ort_caches = {n: out[cache_output_name(n)] for n in cache_names}
         ok, diff = _close(ref_out[0], out["logits"], tolerance(spec.dtype))
         same_top1 = float((ref_out[0].argmax(-1) == out["logits"].argmax(-1)).float().mean())
         report.logits.append(Check(f"step {i}", diff, f"top-1 agreement {same_top1:.0%}", ok))

@@ -180,19 +180,20 @@ def create_app(
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def endpoint(request: Request, chat: bool):
         arrival = time.monotonic()
         check_key(request)
-        req = parse(CompletionRequest, await read_json(request))
-        return await generate(request, req, req.prompt_value(), False, arrival)
+        req = parse(ChatCompletionRequest if chat else CompletionRequest, await read_json(request))
+        prompt = req.message_list() if chat else req.prompt_value()
+        return await generate(request, req, prompt, chat, arrival)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await endpoint(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        arrival = time.monotonic()
-        check_key(request)
-        req = parse(ChatCompletionRequest, await read_json(request))
-        return await generate(request, req, req.message_list(), True, arrival)
+        return await endpoint(request, chat=True)
 
     return app
 

@@ -17,7 +17,7 @@ import torch
 
 from tqexport.errors import TQExportError
 from tqexport.runtime.artifact import Artifact
-from tqexport.runtime.caches import allocate_caches
+from tqexport.runtime.caches import allocate_caches, cache_output_name
 
 #: Session settings, chosen by measurement (README "Benchmarks", ``benchmarks/ort_options.py``):
 #: every graph optimization (the common-subexpression pass that computes the layers' shared
@@ -136,7 +136,7 @@ class OrtBackend:
             binding.bind_output("logits")  # first: outputs come back in binding order
             self._output_names = ["logits"]
             for name, value in self.cache_values.items():
-                out_name = name.replace("cache.", "cache_out.", 1)
+                out_name = cache_output_name(name)
                 binding.bind_ortvalue_input(name, value)
                 binding.bind_ortvalue_output(out_name, value)
                 self._output_names.append(out_name)
@@ -150,7 +150,7 @@ class OrtBackend:
             names = [o.name for o in self.session.get_outputs()]
             out = dict(zip(names, self.session.run(names, feed), strict=True))
             for n in self._host:
-                self._host[n] = out[n.replace("cache.", "cache_out.", 1)]
+                self._host[n] = out[cache_output_name(n)]
             return torch.from_numpy(out["logits"])
         binding = self._bound()
         keep = []

@@ -14,7 +14,7 @@ import torch
 from tqexport.errors import TQExportError
 from tqexport.export.trt import ENGINE_FILE, PROFILE_FILE, require_gpu, require_tensorrt
 from tqexport.runtime.artifact import Artifact
-from tqexport.runtime.caches import allocate_caches
+from tqexport.runtime.caches import allocate_caches, cache_output_name
 
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16,
                  "INT32": torch.int32, "INT64": torch.int64, "UINT8": torch.uint8}  # fmt: skip
@@ -23,10 +23,6 @@ _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bf
 def torch_dtype_of(trt_dtype) -> torch.dtype:
     """torch dtype of a ``tensorrt.DataType`` (by name, e.g. ``DataType.HALF``)."""
     return _TORCH_DTYPES[str(trt_dtype).rsplit(".", 1)[-1]]
-
-
-def output_name(cache_input: str) -> str:
-    return cache_input.replace("cache.", "cache_out.", 1)
 
 
 class TrtBackend:
@@ -67,7 +63,7 @@ class TrtBackend:
                 buf = self.caches[name]
                 ctx.set_input_shape(name, tuple(buf.shape))
                 ctx.set_tensor_address(name, buf.data_ptr())
-                ctx.set_tensor_address(output_name(name), buf.data_ptr())
+                ctx.set_tensor_address(cache_output_name(name), buf.data_ptr())
                 continue
             t = step[name].cuda().contiguous()
             keep.append(t)
