@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tqexport.bench.speed import decode_ms_interleaved
-from tqexport.runtime.artifact import open_artifact
+from tqexport.contract.artifact import open_artifact
 
 
 def main():

@@ -20,8 +20,8 @@ import numpy as np
 import onnxruntime as ort
 
 from tqexport.bench.speed import artifact_for
+from tqexport.contract.steps import SeqChunk, build_step
 from tqexport.runtime.backends.ort import OrtBackend
-from tqexport.runtime.steps import SeqChunk, build_step
 
 
 def steps_for(spec, context, batch, n):

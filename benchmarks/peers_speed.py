@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from tqexport.bench.speed import artifact_for
+from tqexport.contract.steps import SeqChunk, build_step
 from tqexport.runtime.backends.ort import OrtBackend
-from tqexport.runtime.steps import SeqChunk, build_step
 
 
 def hf_dir(model: str, out: Path) -> Path:

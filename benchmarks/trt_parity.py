@@ -15,13 +15,13 @@ import time
 
 import torch
 
-from tqexport.export.trt import PROFILE_FILE
-from tqexport.runtime.artifact import open_artifact
+from tqexport.contract.artifact import open_artifact
+from tqexport.contract.files import PROFILE_FILE
+from tqexport.contract.steps import SeqChunk, build_step
 from tqexport.runtime.backends.ort import OrtBackend
 from tqexport.runtime.backends.trt import TrtBackend
 from tqexport.runtime.executor import Executor
 from tqexport.runtime.sequence import SamplingParams
-from tqexport.runtime.steps import SeqChunk, build_step
 
 
 def logits_parity(art, prompts: list[list[int]], steps: int, num_blocks: int) -> float:

@@ -5,11 +5,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tqexport.contract.caches import allocate_caches
+from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
 from tqexport.models.paged import PagedCausalLM
 from tqexport.resolve import AttentionLayer, ModelDescription
-from tqexport.runtime.caches import allocate_caches
-from tqexport.runtime.parity import compare_write
-from tqexport.runtime.steps import SeqChunk, build_step, ordered_inputs
+from tqexport.verify.parity import compare_write
 
 
 def describe(windows, head_size=64, kv_heads=2, dtype="bfloat16", name="test-model"):

@@ -261,10 +261,10 @@ def test_ort_backend_binds_cache_values_once_and_in_place(artifacts):
     """The binding code the CUDA provider uses, on the CPU: caches are OrtValues over the
     host buffers, bound once onto inputs and outputs; steps of changing shapes (prefill,
     decode, logits of 1 and 2 rows) update them in place, bit-identical to a copying run."""
+    from tqexport.contract.artifact import open_artifact
+    from tqexport.contract.steps import SeqChunk, build_step
     from tqexport.errors import TQExportError
-    from tqexport.runtime.artifact import open_artifact
     from tqexport.runtime.backends.ort import OrtBackend, session_options
-    from tqexport.runtime.steps import SeqChunk, build_step
 
     art = open_artifact(artifacts("tiny-llama", "turboquant_4bit_nc"))
     bound = OrtBackend(art, 10, device="cpu")

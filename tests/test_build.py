@@ -7,10 +7,10 @@ import sys
 import onnx
 import pytest
 
+from tqexport.contract.artifact import open_artifact
 from tqexport.errors import TQExportError
 from tqexport.export.artifact import BuildOptions, build_artifact
-from tqexport.runtime.artifact import open_artifact
-from tqexport.runtime.parity import run_parity
+from tqexport.verify.parity import run_parity
 
 
 def _node_dtypes(model_path):

@@ -3,8 +3,8 @@
 import pytest
 from helpers import with_byte_tokenizer
 
+from tqexport.contract.artifact import open_artifact
 from tqexport.errors import TQExportError
-from tqexport.runtime.artifact import open_artifact
 from tqexport.runtime.blocks import BlockManager
 from tqexport.runtime.engine import Engine, EngineConfig, cache_token_limit
 from tqexport.runtime.executor import Executor

@@ -9,14 +9,14 @@ import pytest
 import torch
 from helpers import TWO_THREAD_DTYPES, assert_greedy, assert_same_generation, teacher_forced
 
+from tqexport.contract.artifact import open_artifact
+from tqexport.contract.steps import SeqChunk, build_step
 from tqexport.kvquant.modes import kv_cache_dtype_names
 from tqexport.models.paged import PagedCausalLM
-from tqexport.runtime.artifact import open_artifact
 from tqexport.runtime.backends.ort import OrtBackend
 from tqexport.runtime.executor import Executor, parse_memory
 from tqexport.runtime.sampling import sample
 from tqexport.runtime.sequence import SamplingParams
-from tqexport.runtime.steps import SeqChunk, build_step
 
 GREEDY32 = SamplingParams(max_tokens=32)
 

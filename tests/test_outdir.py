@@ -8,11 +8,11 @@ from collections import namedtuple
 
 import pytest
 
+from tqexport.contract.artifact import open_artifact
 from tqexport.errors import TQExportError
 from tqexport.export import artifact as artifact_module
 from tqexport.export import outdir
 from tqexport.export.artifact import BuildOptions, build_artifact
-from tqexport.runtime.artifact import open_artifact
 
 
 def cli(*args, cwd=None):

@@ -4,9 +4,9 @@ dtype on a tiny Llama, a subset on other architectures and head sizes."""
 import pytest
 from helpers import TWO_THREAD_DTYPES
 
+from tqexport.contract.artifact import open_artifact
 from tqexport.kvquant.modes import kv_cache_dtype_names
-from tqexport.runtime.artifact import open_artifact
-from tqexport.runtime.parity import run_parity
+from tqexport.verify.parity import run_parity
 
 MATRIX = [("tiny-llama", d, []) for d in kv_cache_dtype_names() if d != "bfloat16"] + [
     ("tiny-gemma2", "turboquant_4bit_nc", ["sw"]),

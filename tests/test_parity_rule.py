@@ -4,7 +4,7 @@ import torch
 
 from tqexport.kvquant.codecs import make_codec
 from tqexport.ops.reference import write_cache
-from tqexport.runtime.parity import compare_write
+from tqexport.verify.parity import compare_write
 
 
 def _fp8_write():
@@ -48,8 +48,8 @@ def _runs(flip_at):
     byte moved by one code at token-head ``flip_at``."""
     from helpers import Run, dense
 
+    from tqexport.contract.caches import allocate_caches
     from tqexport.resolve import resolve
-    from tqexport.runtime.caches import allocate_caches
 
     spec = resolve(dense(1, head_size=64, kv_heads=1, dtype="float32"), "fp8").spec
     codec, _, k, v, _, _ = _fp8_write()

@@ -14,14 +14,14 @@ from helpers import (
     teacher_forced,
 )
 
+from tqexport.contract.artifact import open_artifact
 from tqexport.models.loader import load_model
 from tqexport.ops import reference
 from tqexport.resolve import ResolveError, resolve
-from tqexport.runtime.artifact import open_artifact
 from tqexport.runtime.executor import Executor
-from tqexport.runtime.parity import run_parity
 from tqexport.runtime.sequence import SamplingParams
 from tqexport.spec import ModelSpec, SpecError
+from tqexport.verify.parity import run_parity
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_recent_window_is_chunking_invariant_and_between_plain_and_quantized(lla
 def test_executor_recycles_recent_blocks_and_matches_contiguous_prefill(llama):
     """Served through the block manager (window blocks recycled through the null block), a
     long generation equals a prefill of the same tokens with contiguous tables."""
-    from tqexport.runtime.artifact import Artifact
+    from tqexport.contract.artifact import Artifact
 
     spec = resolve(llama.description, "turboquant_4bit_nc", boundary=False, recent_window=8).spec
     spec = ModelSpec(model={**spec.model, "path": "tiny-llama"}, dtype=spec.dtype,

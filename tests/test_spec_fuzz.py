@@ -19,12 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 import onnx
 import pytest
 
+from tqexport.contract.artifact import open_artifact
+from tqexport.contract.files import SPEC_METADATA_KEY
 from tqexport.errors import TQExportError
 from tqexport.export.artifact import BuildOptions, resolve_spec
-from tqexport.export.onnx import SPEC_METADATA_KEY
 from tqexport.models.config import describe_model
 from tqexport.resolve import resolve
-from tqexport.runtime.artifact import open_artifact
 from tqexport.spec import ModelSpec, SpecError
 
 SEED = 13

@@ -47,7 +47,7 @@ def plans(name, **kw):
 
 @pytest.mark.parametrize("recent", [0, 8])
 def test_declared_attributes_are_exactly_what_the_nodes_carry(artifacts, recent):
-    from tqexport.runtime.artifact import open_artifact
+    from tqexport.contract.artifact import open_artifact
 
     kw = {"recent_window": recent} if recent else {}
     spec = open_artifact(artifacts("tiny-llama", "turboquant_4bit_nc", ["0"], **kw)).spec
@@ -296,8 +296,8 @@ def test_trt_order_kernels_in_the_interpreter_match(tmp_path):
 def test_engine_graph_uses_the_plugins_and_profile(artifacts):
     import onnx
 
+    from tqexport.contract.artifact import open_artifact
     from tqexport.export.trt import check_layers, profile_shapes, use_plugins
-    from tqexport.runtime.artifact import open_artifact
 
     art = open_artifact(artifacts("tiny-llama", "turboquant_4bit_nc", ["0"]))
     model = onnx.load(str(art.model_file), load_external_data=False)
@@ -340,7 +340,7 @@ def test_engine_without_tensorrt_is_one_line_exit_2(artifacts):
 
 
 def test_trt_backend_needs_an_engine(artifacts):
-    from tqexport.runtime.artifact import open_artifact
+    from tqexport.contract.artifact import open_artifact
     from tqexport.runtime.backends.trt import torch_dtype_of
     from tqexport.runtime.executor import Executor
 

@@ -372,9 +372,9 @@ def parity(
     seed: Annotated[int, typer.Option(help="Seed for the random prompts.")] = 0,
 ):
     """Run the artifact on ONNX Runtime and the torch reference side by side; exit 1 on mismatch."""
-    from tqexport.runtime.artifact import open_artifact
+    from tqexport.contract.artifact import open_artifact
     from tqexport.runtime.engine import position_limit
-    from tqexport.runtime.parity import run_parity
+    from tqexport.verify.parity import run_parity
 
     validate.integer(steps, "--steps", 0, MAX_PARITY_STEPS)
     validate.integer(prompt_len, "--prompt-len", 1, MAX_PARITY_PROMPT_LEN)
@@ -438,7 +438,7 @@ def inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ):
     """Per-layer cache allocation of an artifact, and totals vs an all-bf16 cache."""
-    from tqexport.runtime.artifact import open_artifact
+    from tqexport.contract.artifact import open_artifact
 
     config = EngineConfig(
         num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
@@ -713,7 +713,7 @@ def serve(
         chat_template,
     )  # fmt: skip
     if ray:
-        from tqexport.runtime.artifact import open_artifact
+        from tqexport.contract.artifact import open_artifact
         from tqexport.serve.ray_serve import serve_on_ray
 
         open_artifact(artifact)  # a bad artifact fails here, not in every replica
@@ -968,8 +968,8 @@ def _check_speed_memory(spec, label: str, ctx: list[int], bat: list[int], steps:
 
 def _speed(target, dtypes, contexts, batches, steps, budget, workdir, recent="0") -> dict:
     from tqexport.bench import speed
+    from tqexport.contract.artifact import open_artifact
     from tqexport.kvquant.modes import parse_kv_cache_dtype
-    from tqexport.runtime.artifact import open_artifact
     from tqexport.runtime.executor import parse_memory
 
     ctx, bat, windows = _speed_args(contexts, batches, steps, recent)

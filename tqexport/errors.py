@@ -3,3 +3,7 @@
 
 class TQExportError(ValueError):
     """Bad user input or an unsupported model; the message names the problem and the fix."""
+
+
+class ResolveError(TQExportError):
+    """A skip pattern or dtype that does not fit the model."""

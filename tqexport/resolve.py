@@ -9,12 +9,12 @@ Skip patterns (repeatable or comma-separated), layer = attention-layer index:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tqexport.errors import TQExportError
+from tqexport.errors import ResolveError, TQExportError
 from tqexport.kvquant.modes import parse_kv_cache_dtype
+from tqexport.skip_layers import parse_skip_patterns
 from tqexport.spec import (
     AttentionType,
     LayerSpec,
@@ -29,10 +29,6 @@ UNQUANTIZED = "auto"
 #: (``TurboQuantConfig.get_boundary_skip_layers``: at most ``L // 2`` on each side).
 TURBOQUANT_BOUNDARY_LAYERS = 2
 DEFAULT_BLOCK_SIZE = 16
-
-
-class ResolveError(TQExportError):
-    """A skip pattern or dtype that does not fit the model."""
 
 
 @dataclass(frozen=True)
@@ -75,76 +71,6 @@ class ModelDescription:
             "num_heads": self.num_heads,
             "vocab_size": self.vocab_size,
         }
-
-
-@dataclass(frozen=True)
-class SkipPattern:
-    text: str
-    kind: str  # "index" | "range" | "class" | "boundary"
-    start: int = 0
-    stop: int = 0  # inclusive for ranges
-    attention: AttentionType | None = None
-
-    def matches(self, layers: Sequence[AttentionLayer]) -> set[int]:
-        """Positions of the layers this pattern names; raises if it points outside the model."""
-        n = len(layers)
-        if self.kind == "index":
-            if not -n <= self.start < n:
-                raise ResolveError(
-                    f"--skip-layers {self.text}: layer {self.start} is outside the model "
-                    f"(attention layers 0..{n - 1}, or -{n}..-1 from the end)"
-                )
-            return {self.start % n}
-        if self.kind == "range":
-            if self.stop >= n:
-                raise ResolveError(
-                    f"--skip-layers {self.text}: range ends past the last layer ({n - 1})"
-                )
-            return set(range(self.start, self.stop + 1))
-        if self.kind == "boundary":
-            if self.start > n:
-                raise ResolveError(
-                    f"--skip-layers {self.text}: the model has only {n} attention layers"
-                )
-            return set(range(self.start)) | set(range(n - self.start, n))
-        return {i for i, la in enumerate(layers) if la.attention_type is self.attention}
-
-
-_CLASSES = {
-    "sw": AttentionType.SLIDING_WINDOW,
-    "sliding_window": AttentionType.SLIDING_WINDOW,
-    "full": AttentionType.FULL,
-}
-_SYNTAX = "use an index (5), a negative index (-1), a range (0-3), sw, full or boundary:N"
-
-
-def parse_skip_pattern(text: str) -> SkipPattern:
-    t = text.strip().lower()
-    if re.fullmatch(r"-?\d+", t):
-        return SkipPattern(text, "index", start=int(t))
-    if m := re.fullmatch(r"(\d+)-(\d+)", t):
-        a, b = int(m[1]), int(m[2])
-        if a > b:
-            raise ResolveError(f"--skip-layers {text}: range start is after its end; write {b}-{a}")
-        return SkipPattern(text, "range", start=a, stop=b)
-    if t in _CLASSES:
-        return SkipPattern(text, "class", attention=_CLASSES[t])
-    if m := re.fullmatch(r"boundary:(\d+)", t):
-        if int(m[1]) == 0:
-            raise ResolveError(f"--skip-layers {text}: N must be at least 1")
-        return SkipPattern(text, "boundary", start=int(m[1]))
-    raise ResolveError(f"--skip-layers: malformed pattern {text!r}; {_SYNTAX}")
-
-
-def parse_skip_patterns(values: Sequence[str]) -> list[SkipPattern]:
-    """Split repeated and comma-separated ``--skip-layers`` values into patterns."""
-    out = []
-    for value in values:
-        for part in value.split(","):
-            if not part.strip():
-                raise ResolveError(f"--skip-layers: empty pattern in {value!r}; {_SYNTAX}")
-            out.append(parse_skip_pattern(part))
-    return out
 
 
 def turboquant_boundary(
@@ -203,7 +129,7 @@ def resolve(
         if not hit and pattern.kind == "class":
             warnings.append(
                 f"--skip-layers {pattern.text}: model {model.name!r} has no "
-                f"{pattern.attention.value} layers; nothing skipped by it"
+                f"{pattern.attention} layers; nothing skipped by it"
             )
         for i in sorted(hit):
             skipped.setdefault(i, f"--skip-layers {pattern.text}")

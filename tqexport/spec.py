@@ -21,6 +21,7 @@ from tqexport.errors import TQExportError
 from tqexport.kvquant.codecs import MAX_HEAD_SIZE, MODEL_DTYPES, Codec, TensorFormat, make_codec
 from tqexport.kvquant.modes import KVQuantMode, parse_kv_cache_dtype
 from tqexport.kvquant.turboquant import SlotLayout
+from tqexport.skip_layers import parse_skip_pattern, parse_skip_patterns
 from tqexport.validate import MAX_BLOCK_SIZE, MAX_RECENT_WINDOW
 
 SCHEMA_VERSION = 1
@@ -1061,8 +1062,6 @@ def _request(value: Any) -> dict[str, Any]:
         except TQExportError as e:
             raise SpecError(f"request: {e}{REBUILD}") from None
     if "skip_layers" in r:
-        from tqexport.resolve import parse_skip_patterns  # resolve imports this module
-
         patterns = _list(r, "skip_layers", 0, MAX_LAYERS, "request")
         for i, pattern in enumerate(patterns):
             _str({"skip_layers": pattern}, "skip_layers", f"request item {i}", max_len=256)
@@ -1101,8 +1100,6 @@ def _skipped_by(d: dict[str, Any], where: str) -> str | None:
         return value
     if isinstance(value, str) and value.startswith(SKIP_PATTERN_PREFIX):
         _str(d, "skipped_by", where, max_len=256)
-        from tqexport.resolve import parse_skip_pattern  # resolve imports this module
-
         try:
             parse_skip_pattern(value[len(SKIP_PATTERN_PREFIX) :])
             return value

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from tqexport.bench.evaltext import EvalText, chunk_tokens
 from tqexport.bench.metrics import Totals
+from tqexport.contract.artifact import Artifact, open_artifact
 from tqexport.errors import TQExportError
 from tqexport.export.artifact import BuildOptions, resolve_spec
 from tqexport.kvquant.modes import parse_kv_cache_dtype
-from tqexport.runtime.artifact import Artifact, open_artifact
 from tqexport.runtime.executor import Executor
 from tqexport.spec import ModelSpec
 

@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tqexport.runtime.artifact import Artifact, open_artifact
+from tqexport.contract.artifact import Artifact, open_artifact
+from tqexport.contract.steps import SeqChunk, build_step
 from tqexport.runtime.backends.ort import OrtBackend
 from tqexport.runtime.executor import parse_memory, resolve_num_blocks
-from tqexport.runtime.steps import SeqChunk, build_step
 
 
 def artifact_for(model: str, kv_cache_dtype: str, workdir: Path, recent_window: int = 0):

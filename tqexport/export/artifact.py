@@ -16,6 +16,7 @@ from pathlib import Path
 import onnx
 import torch
 
+from tqexport.contract.files import MODEL_FILE, SPEC_FILE, WEIGHTS_FILE
 from tqexport.errors import TQExportError
 from tqexport.export.onnx import DEFAULT_OPSET, export_model
 from tqexport.export.outdir import Staging, check_target, remove_stale_staging
@@ -24,9 +25,6 @@ from tqexport.models.loader import LoadedModel, load_model
 from tqexport.resolve import resolve
 from tqexport.spec import ModelSpec
 
-MODEL_FILE = "model.onnx"
-WEIGHTS_FILE = "model.onnx.data"
-SPEC_FILE = "tqexport.json"
 #: vLLM's calculate_kv_scales: k_scale = max|k| / 200, v_scale = max|v| / 100.
 K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
 
@@ -77,9 +75,9 @@ def default_calibration_text() -> str:
 
 def calibrate_scales(lm: LoadedModel, spec: ModelSpec, text: str, max_tokens: int = 512):
     """Per-layer (k_scale, v_scale) from one prefill of ``text``, vLLM's rule (max|x| / range)."""
+    from tqexport.contract.caches import allocate_caches
+    from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
     from tqexport.models.paged import PagedCausalLM
-    from tqexport.runtime.caches import allocate_caches
-    from tqexport.runtime.steps import SeqChunk, build_step, ordered_inputs
 
     if lm.tokenizer is not None:
         tokens = lm.tokenizer(text)["input_ids"][:max_tokens]

@@ -14,16 +14,15 @@ import warnings
 import onnx
 import torch
 
-from tqexport.errors import TQExportError
+from tqexport.contract.caches import allocate_caches
+from tqexport.contract.files import set_spec_metadata
+from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
 from tqexport.export.functions import function_for
 from tqexport.models.paged import PagedCausalLM
 from tqexport.ops.attributes import DOMAIN
-from tqexport.runtime.caches import allocate_caches
-from tqexport.runtime.steps import SeqChunk, build_step, ordered_inputs
 from tqexport.spec import ModelSpec
 
 DEFAULT_OPSET = 21
-SPEC_METADATA_KEY = "tqexport.spec"
 
 
 def _example(spec: ModelSpec):
@@ -101,18 +100,3 @@ def attach_functions(model: onnx.ModelProto, opset: int) -> None:
         model.functions.extend(extra)
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
-
-
-def set_spec_metadata(model: onnx.ModelProto, spec: ModelSpec) -> None:
-    for prop in list(model.metadata_props):
-        if prop.key == SPEC_METADATA_KEY:
-            model.metadata_props.remove(prop)
-    entry = model.metadata_props.add()
-    entry.key, entry.value = SPEC_METADATA_KEY, spec.to_json()
-
-
-def read_spec_metadata(model: onnx.ModelProto) -> str:
-    for prop in model.metadata_props:
-        if prop.key == SPEC_METADATA_KEY:
-            return prop.value
-    raise TQExportError(f"the ONNX model has no {SPEC_METADATA_KEY!r} metadata")

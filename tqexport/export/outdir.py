@@ -23,7 +23,7 @@ _STAGING = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)$")
 
 def is_artifact_dir(path: Path) -> bool:
     """A flat directory whose tqexport.json is a JSON object written by tqexport."""
-    from tqexport.export.artifact import SPEC_FILE
+    from tqexport.contract.files import SPEC_FILE
 
     spec = path / SPEC_FILE
     if not spec.is_file() or any(p.is_dir() for p in path.iterdir()):

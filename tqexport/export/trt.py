@@ -13,36 +13,12 @@ from pathlib import Path
 
 import onnx
 
+from tqexport.contract.artifact import open_artifact
+from tqexport.contract.files import ENGINE_FILE, PROFILE_FILE
 from tqexport.errors import TQExportError
 from tqexport.ops.attributes import DOMAIN, cache_write_attrs
-from tqexport.runtime.artifact import open_artifact
 from tqexport.spec import ModelSpec
-
-ENGINE_FILE = "engine.plan"
-PROFILE_FILE = "engine.json"
-INSTALL_HINT = (
-    "TensorRT is not installed: on a machine with an NVIDIA GPU run "
-    "`pip install 'tensorrt>=10.9'` (CUDA 12), then rerun"
-)
-
-
-def require_tensorrt():
-    """The ``tensorrt`` module, or a one-line :class:`TQExportError` naming the install."""
-    try:
-        import tensorrt
-    except ImportError:
-        raise TQExportError(INSTALL_HINT) from None
-    return tensorrt
-
-
-def require_gpu() -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise TQExportError(
-            "building or running a TensorRT engine needs an NVIDIA GPU, and torch sees none "
-            "(install a CUDA build of torch on a GPU machine)"
-        )
+from trt_plugins.toolchain import require_gpu, require_tensorrt
 
 
 def check_layers(spec: ModelSpec) -> None:

@@ -40,7 +40,8 @@ class UnsupportedModelError(TQExportError):
 
 @dataclass
 class StepInputs:
-    """One step's tensors (DESIGN step contract); per-group tensors are indexed by group id."""
+    """One step's tensors (as :func:`tqexport.contract.steps.build_step` makes them); per-group
+    tensors are indexed by group id."""
 
     positions: torch.Tensor
     seq_lens: torch.Tensor

@@ -1,4 +1,5 @@
-"""A transformers causal LM driven through paged caches: one step of the DESIGN step contract.
+"""A transformers causal LM driven through paged caches: one step of the graph contract
+(:mod:`tqexport.contract.steps`).
 
 ``PagedCausalLM.forward(*inputs)`` takes the graph inputs in ``spec.graph_io()`` order and
 returns ``(logits, *caches)`` in output order. It is what gets exported to ONNX, and what the

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tqexport import validate
+from tqexport.contract.artifact import Artifact, open_artifact
 from tqexport.errors import TQExportError
-from tqexport.runtime.artifact import Artifact, open_artifact
 from tqexport.runtime.blocks import BlockManager
 from tqexport.runtime.chat import encode_messages
 from tqexport.runtime.config import EngineConfig

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 import torch
 
 from tqexport import validate
+from tqexport.contract.artifact import Artifact
+from tqexport.contract.caches import recent_group_blocks
+from tqexport.contract.steps import SeqChunk, build_step
 from tqexport.errors import TQExportError
-from tqexport.runtime.artifact import Artifact
 from tqexport.runtime.blocks import BlockManager
-from tqexport.runtime.caches import recent_group_blocks
 from tqexport.runtime.sampling import sample
 from tqexport.runtime.scheduler import Scheduler
 from tqexport.runtime.sequence import SamplingParams, Sequence
-from tqexport.runtime.steps import SeqChunk, build_step
 
 _UNITS = {
     "": 1,

@@ -15,9 +15,9 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from tqexport.contract.artifact import Artifact
+from tqexport.contract.caches import allocate_caches, cache_output_name
 from tqexport.errors import TQExportError
-from tqexport.runtime.artifact import Artifact
-from tqexport.runtime.caches import allocate_caches, cache_output_name
 
 #: Session settings, chosen by measurement (README "Benchmarks", ``benchmarks/ort_options.py``):
 #: every graph optimization (the common-subexpression pass that computes the layers' shared

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from tqexport.contract.artifact import Artifact
+from tqexport.contract.caches import allocate_caches
+from tqexport.contract.steps import ordered_inputs
 from tqexport.errors import TQExportError
 from tqexport.models.loader import load_model
 from tqexport.models.paged import PagedCausalLM
-from tqexport.runtime.artifact import Artifact
-from tqexport.runtime.caches import allocate_caches
-from tqexport.runtime.steps import ordered_inputs
 
 
 def load_source_model(spec):

@@ -11,10 +11,11 @@ import json
 
 import torch
 
+from tqexport.contract.artifact import Artifact
+from tqexport.contract.caches import allocate_caches, cache_output_name
+from tqexport.contract.files import ENGINE_FILE, PROFILE_FILE
 from tqexport.errors import TQExportError
-from tqexport.export.trt import ENGINE_FILE, PROFILE_FILE, require_gpu, require_tensorrt
-from tqexport.runtime.artifact import Artifact
-from tqexport.runtime.caches import allocate_caches, cache_output_name
+from trt_plugins.toolchain import require_gpu, require_tensorrt
 
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16,
                  "INT32": torch.int32, "INT64": torch.int64, "UINT8": torch.uint8}  # fmt: skip

@@ -1,4 +1,5 @@
-"""Build the step tensors of the DESIGN step contract from per-sequence token chunks."""
+"""Build the step tensors (the graph inputs other than caches; names, dtypes and shapes in
+``ModelSpec.graph_io``) from per-sequence token chunks."""
 
 from __future__ import annotations
 

@@ -25,16 +25,16 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from tqexport.contract.artifact import Artifact
+from tqexport.contract.caches import allocate_caches, cache_output_name
+from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
 from tqexport.errors import TQExportError
 from tqexport.models.paged import PagedCausalLM
 from tqexport.ops import reference
 from tqexport.ops.attributes import CACHE_WRITE, DOMAIN, PAGED_ATTENTION
 from tqexport.ops.library import codec_for
-from tqexport.runtime.artifact import Artifact
 from tqexport.runtime.backends.ort import providers
 from tqexport.runtime.backends.torch import load_source_model
-from tqexport.runtime.caches import allocate_caches, cache_output_name
-from tqexport.runtime.steps import SeqChunk, build_step, ordered_inputs
 from tqexport.spec import ModelSpec
 
 TOL = 1e-4

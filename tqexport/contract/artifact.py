@@ -8,9 +8,8 @@ from pathlib import Path
 
 import onnx
 
+from tqexport.contract.files import MODEL_FILE, SPEC_FILE, WEIGHTS_FILE, read_spec_metadata
 from tqexport.errors import TQExportError
-from tqexport.export.artifact import MODEL_FILE, SPEC_FILE, WEIGHTS_FILE
-from tqexport.export.onnx import read_spec_metadata
 from tqexport.spec import MAX_SPEC_BYTES, ModelSpec, SpecError, parse_spec_json
 
 #: digits of an external-data offset or length (2^64 has 20)

@@ -1,0 +1,1 @@
+"""Verification of a built artifact against the torch reference (``tqexport parity``)."""
