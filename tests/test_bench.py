@@ -203,7 +203,7 @@ def test_artifact_dir_is_scored_on_onnx_runtime_like_the_torch_path(artifacts):
 def test_speed_measures_every_artifact_and_memory_from_the_spec(artifacts):
     from tqexport.bench import speed
     from tqexport.contract.artifact import open_artifact
-    from tqexport.runtime.executor import block_bytes
+    from tqexport.runtime.memory import block_bytes
 
     arts = {d: open_artifact(artifacts("tiny-llama", d)) for d in ("auto", "fp8")}
     res = speed.measure(arts, [16, 40], [1, 3], steps=2, budget="1MiB")

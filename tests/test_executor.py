@@ -14,7 +14,8 @@ from tqexport.contract.steps import SeqChunk, build_step
 from tqexport.kvquant.modes import kv_cache_dtype_names
 from tqexport.models.paged import PagedCausalLM
 from tqexport.runtime.backends.ort import OrtBackend
-from tqexport.runtime.executor import Executor, parse_memory
+from tqexport.runtime.executor import Executor
+from tqexport.runtime.memory import parse_memory
 from tqexport.runtime.sampling import sample
 from tqexport.runtime.sequence import SamplingParams
 
@@ -337,7 +338,7 @@ def test_executor_validates_before_allocating(artifacts, kwargs, message):
 
 def test_resolve_num_blocks_validates_what_inspect_reports(artifacts):
     from tqexport.errors import TQExportError
-    from tqexport.runtime.executor import resolve_num_blocks
+    from tqexport.runtime.memory import resolve_num_blocks
 
     art = open_artifact(artifacts("tiny-llama", "fp8"))
     with pytest.raises(TQExportError, match="--max-num-seqs must be from 1"):
@@ -350,7 +351,7 @@ def test_resolve_num_blocks_validates_what_inspect_reports(artifacts):
 
 def test_executor_refuses_caches_beyond_the_memory_limit(artifacts):
     from tqexport.errors import TQExportError
-    from tqexport.runtime.executor import block_bytes, resolve_num_blocks
+    from tqexport.runtime.memory import block_bytes, resolve_num_blocks
 
     art = open_artifact(artifacts("tiny-llama", "fp8"))
     with pytest.raises(TQExportError, match="--num-blocks 1000 needs .* more than this machine"):

@@ -23,12 +23,12 @@ from tqexport.spec import (
     cache_spec,
     recent_spec,
 )
+from tqexport.validate import DEFAULT_BLOCK_SIZE
 
 UNQUANTIZED = "auto"
 #: vLLM protects the first and last 2 attention layers of dense models for every TurboQuant preset
 #: (``TurboQuantConfig.get_boundary_skip_layers``: at most ``L // 2`` on each side).
 TURBOQUANT_BOUNDARY_LAYERS = 2
-DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)

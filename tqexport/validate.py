@@ -11,6 +11,7 @@ import math
 import operator
 import os
 import unicodedata
+from pathlib import Path
 
 from tqexport.errors import TQExportError
 
@@ -20,6 +21,8 @@ SEED_MAX = 2**32 - 1
 TORCH_SEED_MAX = 2**64 - 1
 #: the Triton kernels range over a block with ``tl.arange(0, BS)``: a power of two
 MAX_BLOCK_SIZE = 256
+#: tokens per cache block unless a build asks otherwise (vLLM's default too)
+DEFAULT_BLOCK_SIZE = 16
 #: block ids are int32 in the step inputs
 MAX_NUM_BLOCKS = 2**31 - 1
 MAX_NUM_SEQS = 2**16
@@ -154,3 +157,33 @@ def printable(text: object, keep_newlines: bool = False) -> str:
         else:
             out.append(ch)
     return "".join(out)
+
+
+#: the largest --prompts-file read (a prompt longer than any model's context is pointless)
+MAX_PROMPTS_FILE_BYTES = 256 * 2**20
+
+
+def prompts_file(path: Path) -> list[str]:
+    """The non-blank lines of a UTF-8 prompts file, or one error naming the file."""
+    if not path.is_file():
+        raise TQExportError(f"--prompts-file {path} not found")
+    try:
+        size = path.stat().st_size
+        if size > MAX_PROMPTS_FILE_BYTES:
+            raise TQExportError(
+                f"--prompts-file {path} has {size} bytes, more than {MAX_PROMPTS_FILE_BYTES}"
+            )
+        data = path.read_bytes()
+    except OSError as e:
+        raise TQExportError(f"cannot read --prompts-file {path}: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TQExportError(
+            f"--prompts-file {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+            f"{e.start}); give one prompt per line in UTF-8"
+        ) from None
+    texts = [ln for ln in text.splitlines() if ln.strip()]
+    if not texts:
+        raise TQExportError(f"--prompts-file {path} has no prompts")
+    return texts

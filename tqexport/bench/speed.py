@@ -17,7 +17,8 @@ from pathlib import Path
 from tqexport.contract.artifact import Artifact, open_artifact
 from tqexport.contract.steps import SeqChunk, build_step
 from tqexport.runtime.backends.ort import OrtBackend
-from tqexport.runtime.executor import parse_memory, resolve_num_blocks
+from tqexport.runtime.config import DEFAULT_KV_CACHE_MEMORY
+from tqexport.runtime.memory import parse_memory, resolve_num_blocks
 
 
 def artifact_for(model: str, kv_cache_dtype: str, workdir: Path, recent_window: int = 0):
@@ -91,7 +92,7 @@ def measure(
     contexts: list[int],
     batches: list[int],
     steps: int = 4,
-    budget: str = "512MiB",
+    budget: str = DEFAULT_KV_CACHE_MEMORY,
     threads: int | None = None,
     progress: Callable[[str], None] = lambda what: None,
 ) -> dict:

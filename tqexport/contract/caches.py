@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from tqexport.kvquant.codecs import torch_dtype
-from tqexport.spec import CacheGroup, ModelSpec
+from tqexport.spec import ModelSpec
 
 
 def cache_output_name(cache_input: str) -> str:
@@ -23,13 +23,6 @@ def per_group(spec: ModelSpec, num_blocks: int | Sequence[int]) -> list[int]:
     if len(num_blocks) != len(spec.groups):
         raise ValueError(f"need one block count per cache group ({len(spec.groups)})")
     return list(num_blocks)
-
-
-def recent_group_blocks(group: CacheGroup, max_num_seqs: int, max_step_tokens: int) -> int:
-    """Blocks a recent-window group needs at most: each running sequence's window (plus a
-    partial block at each end), one step's worth of new tokens, and the null block."""
-    bs = group.block_size
-    return 1 + max_num_seqs * (-(-group.window // bs) + 2) + -(-max_step_tokens // bs)
 
 
 def allocate_caches(spec: ModelSpec, num_blocks: int | Sequence[int]) -> dict[str, torch.Tensor]:

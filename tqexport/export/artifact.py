@@ -24,6 +24,7 @@ from tqexport.models.config import describe_model
 from tqexport.models.loader import LoadedModel, load_model
 from tqexport.resolve import resolve
 from tqexport.spec import ModelSpec
+from tqexport.validate import DEFAULT_BLOCK_SIZE
 
 #: vLLM's calculate_kv_scales: k_scale = max|k| / 200, v_scale = max|v| / 100.
 K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
@@ -34,7 +35,7 @@ class BuildOptions:
     kv_cache_dtype: str = "auto"
     skip_layers: Sequence[str] = ()
     boundary: bool = True
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     recent_window: int = 0
     dtype: str | None = None
     opset: int = DEFAULT_OPSET

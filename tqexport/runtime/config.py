@@ -36,7 +36,7 @@ class EngineConfig:
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise TQExportError("give --num-blocks or --kv-cache-memory, not both")
         if self.kv_cache_memory is not None:
-            from tqexport.runtime.executor import parse_memory
+            from tqexport.runtime.memory import parse_memory
 
             parse_memory(self.kv_cache_memory)
         if self.threads is not None:
@@ -54,7 +54,7 @@ class EngineConfig:
     def group_blocks(self, artifact, memory_limit: int | None = None) -> list[int]:
         """Blocks per cache group these settings give ``artifact`` (what ``inspect`` prints);
         ``memory_limit``: bytes the caches may take at most."""
-        from tqexport.runtime.executor import resolve_num_blocks
+        from tqexport.runtime.memory import resolve_num_blocks
 
         return resolve_num_blocks(
             artifact,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -10,103 +9,13 @@ import torch
 
 from tqexport import validate
 from tqexport.contract.artifact import Artifact
-from tqexport.contract.caches import recent_group_blocks
 from tqexport.contract.steps import SeqChunk, build_step
 from tqexport.errors import TQExportError
 from tqexport.runtime.blocks import BlockManager
+from tqexport.runtime.memory import resolve_num_blocks
 from tqexport.runtime.sampling import sample
 from tqexport.runtime.scheduler import Scheduler
 from tqexport.runtime.sequence import SamplingParams, Sequence
-
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-}
-
-
-def parse_memory(text: str, option: str = "--kv-cache-memory") -> int:
-    """'512MiB' -> bytes (a positive size); ``option`` names the flag in the error."""
-    m = re.fullmatch(r"\s*(\d{1,15}(?:\.\d{1,15})?)\s*([KMGT]i?B|B)?\s*", str(text), re.I)
-    if not m:
-        raise TQExportError(
-            f"{option}: cannot read {str(text)!r}; write e.g. 512MiB or 2GiB (units B, KiB, MiB, "
-            "GiB, TiB, KB, MB, GB, TB)"
-        )
-    n = int(float(m[1]) * _UNITS[(m[2] or "").upper()])
-    if n < 1:
-        raise TQExportError(f"{option} must be a positive size, got {text!r}")
-    return n
-
-
-def _fmt_size(n: int) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
-
-def block_bytes(artifact: Artifact) -> int:
-    """Bytes one block id costs across every layer's own cache (recent-window caches aside)."""
-    return sum(la.cache.page_size_bytes for la in artifact.spec.layers)
-
-
-def resolve_num_blocks(
-    artifact: Artifact,
-    num_blocks: int | None,
-    memory: str | None,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 512,
-    memory_limit: int | None = None,
-) -> list[int]:
-    """Blocks per cache group. The layers' own caches get ``num_blocks`` (or what the memory
-    budget leaves after the recent-window caches, which need only their window per sequence).
-
-    ``memory_limit``: bytes the caches may take at most (the executor passes this machine's
-    RAM, its caches live in host memory); ``None`` only bounds the block count."""
-    spec = artifact.spec
-    if num_blocks is not None and memory is not None:
-        raise TQExportError("give --num-blocks or --kv-cache-memory, not both")
-    validate.serving(num_blocks, max_num_seqs, max_num_batched_tokens)
-    budget = parse_memory(memory) if memory is not None else None
-    recent = {
-        g.id: recent_group_blocks(g, max_num_seqs, max_num_batched_tokens)
-        for g in spec.groups
-        if g.recent
-    }
-    recent_bytes = sum(n * spec.group_block_bytes(spec.groups[g]) for g, n in recent.items())
-    if num_blocks is None:
-        budget = budget or parse_memory("512MiB")
-        num_blocks = max(0, budget - recent_bytes) // block_bytes(artifact)
-        num_blocks = min(num_blocks, validate.MAX_NUM_BLOCKS)
-    if num_blocks < 2:
-        extra = (
-            f"; the recent-window caches of {max_num_seqs} sequences take {recent_bytes} bytes "
-            "first (lower --max-num-seqs)"
-            if recent
-            else ""
-        )
-        raise TQExportError(
-            f"the KV budget holds {num_blocks} blocks; at least 2 are needed (block 0 is the null "
-            f"block, one block is {block_bytes(artifact)} bytes){extra}"
-        )
-    # a sequence never holds more recent-window blocks than blocks of its own cache
-    groups = [min(recent.get(g.id, num_blocks), num_blocks) for g in spec.groups]
-    need = sum(n * spec.group_block_bytes(g) for g, n in zip(spec.groups, groups, strict=True))
-    if memory_limit is not None and need > memory_limit:
-        what = f"--kv-cache-memory {memory}" if memory is not None else f"--num-blocks {num_blocks}"
-        raise TQExportError(
-            f"{what} needs {_fmt_size(need)} of KV cache, more than this machine's "
-            f"{_fmt_size(memory_limit)} of memory; lower it"
-        )
-    return groups
 
 
 @dataclass

@@ -1,0 +1,237 @@
+"""The ``tqexport bench`` commands: parsing and tables; :mod:`tqexport.bench.matrix` runs them."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from tqexport import validate
+from tqexport.bench import matrix
+from tqexport.console import console, err
+from tqexport.errors import TQExportError
+from tqexport.options import SkipOption
+from tqexport.runtime.config import DEFAULT_KV_CACHE_MEMORY
+from tqexport.validate import printable
+
+bench_app = typer.Typer(
+    help="Quality (perplexity, KL, top-1 vs llama.cpp) and speed benchmarks.",
+    no_args_is_help=True,
+)
+
+
+def _say(what: str) -> None:
+    err.print(printable(what))
+
+
+def _quality(target, configs, text_file, chunk, chunks, peer: bool):
+    """Ours (with a progress bar) and the llama.cpp peer: (ours, peer result, peer note)."""
+    from rich.progress import Progress
+
+    with Progress(console=err) as bar:
+        task = bar.add_task("tqexport: scoring chunks", total=None)
+        return matrix.run_quality(
+            target, configs, text_file, chunk, chunks, peer,
+            lambda done, total: bar.update(task, completed=done, total=total), _say,
+        )  # fmt: skip
+
+
+@bench_app.command("quality")
+def bench_quality(
+    target: Annotated[str, typer.Argument(help="MODEL (HF dir, .gguf, built-in) or artifact DIR.")],
+    kv_cache_dtype: Annotated[
+        list[str] | None,
+        typer.Option(help="kv dtypes to score (repeatable or comma-separated; default: all)."),
+    ] = None,
+    boundary: Annotated[
+        str, typer.Option(help="TurboQuant boundary protection: on, off or both.")
+    ] = "both",
+    skip_layers: SkipOption = None,
+    recent_window: Annotated[
+        str, typer.Option(help="--kv-recent-window values to score, e.g. 0,32,128.")
+    ] = "0",
+    kv_scales: Annotated[
+        str, typer.Option(help="fp8/nvfp4 per-layer scales: a number, or calibrate (as build).")
+    ] = "1.0",
+    chunk: Annotated[int, typer.Option(help="Tokens per evaluation window.")] = 1024,
+    chunks: Annotated[int, typer.Option(help="Windows scored (from the text's start).")] = 4,
+    text_file: Annotated[
+        Path | None, typer.Option(help="Evaluate on this UTF-8 text instead of pydoc topics.")
+    ] = None,
+    peer: Annotated[bool, typer.Option(help="Also run llama.cpp's f16/q8_0/q4_0 caches.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+):
+    """Perplexity, KL and top-1 agreement per kv-cache configuration, through the paged caches."""
+    from tqexport.bench.report import with_deltas
+
+    validate.integer(chunk, "--chunk", 2, matrix.MAX_BENCH_CHUNK)
+    validate.integer(chunks, "--chunks", 1, matrix.MAX_BENCH_CHUNKS)
+    if text_file is not None and not text_file.is_file():
+        raise TQExportError(f"--text-file {text_file} not found")
+    configs = matrix.quality_configs(
+        kv_cache_dtype, boundary, skip_layers, recent_window, kv_scales
+    )
+    ours, peer_result, note = _quality(target, configs, text_file, chunk, chunks, peer)
+    rows = with_deltas(ours, peer_result)
+    if as_json:
+        print(json.dumps({"quality": ours, "peer": peer_result, "peer_note": note,
+                          "rows": rows}, indent=2))  # fmt: skip
+        return
+    _print_quality(ours, rows, note)
+
+
+def _print_quality(ours: dict, rows: list[dict], note: str | None) -> None:
+    c = ours["chunking"]
+    t = Table(
+        title=printable(
+            f"{ours['model']}: {c['chunks']} x {c['chunk_tokens']} tokens of "
+            f"{ours['text']['name']} (sha256 {ours['text']['sha256'][:12]})"
+        )
+    )
+    for col in ("tool", "configuration", "bits/elem", "PPL", "vs own baseline", "KL", "top-1"):
+        t.add_column(col, justify="left" if col in ("tool", "configuration") else "right")
+    for r in rows:
+        t.add_row(
+            r["tool"], r["label"], f"{r['bits_per_element']:.2f}", f"{r['ppl']:.4f}",
+            f"{r['ppl_delta_pct']:+.2f}%", f"{r.get('kl', 0):.5f}",
+            f"{100 * r.get('top1', 1):.2f}%",
+        )  # fmt: skip
+    console.print(t)
+    console.print(
+        "bits/elem: all in, unquantized layers counted at 16 bits; KL = KL(baseline || run)",
+    )
+    if note:
+        err.print(printable(f"llama.cpp peer {note}"))
+
+
+@bench_app.command("speed")
+def bench_speed(
+    target: Annotated[
+        str, typer.Argument(help="MODEL (artifacts built per dtype) or artifact DIR.")
+    ],
+    kv_cache_dtype: Annotated[
+        list[str] | None, typer.Option(help="kv dtypes (default: auto, fp8, turboquant_4bit_nc).")
+    ] = None,
+    contexts: Annotated[
+        str, typer.Option(help="Context lengths, comma-separated.")
+    ] = "256,1024,4096",
+    batches: Annotated[str, typer.Option(help="Batch sizes, comma-separated.")] = "1,8",
+    steps: Annotated[int, typer.Option(help="Timed decode steps per point.")] = 4,
+    budget: Annotated[
+        str, typer.Option(help="KV budget for the resident-token column.")
+    ] = DEFAULT_KV_CACHE_MEMORY,
+    workdir: Annotated[Path, typer.Option(help="Where MODEL's artifacts are built.")] = Path(
+        "out/bench"
+    ),
+    recent_window: Annotated[
+        str, typer.Option(help="--kv-recent-window values per quantized dtype, e.g. 0,32.")
+    ] = "0",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+):
+    """Decode tokens/s vs context and batch per kv dtype on ONNX Runtime CPU; KV memory."""
+    speed = matrix.run_speed(
+        target, kv_cache_dtype, contexts, batches, steps, budget, workdir, _say, recent_window
+    )
+    if as_json:
+        print(json.dumps(speed, indent=2))
+        return
+    _print_speed(speed)
+
+
+def _print_speed(speed: dict) -> None:
+    names = list(speed["decode"][0]["ms_per_step"])
+    t = Table(title="decode on ONNX Runtime CPU (ratios to auto measured in the same run)")
+    for col in ("context", "batch", *[f"{n} tok/s" for n in names],
+                *[f"{n} vs auto" for n in names[1:]]):  # fmt: skip
+        t.add_column(col, justify="right")
+    for r in speed["decode"]:
+        t.add_row(
+            str(r["context"]), str(r["batch"]),
+            *[f"{r['tokens_per_second'][n]:.1f}" for n in names],
+            *[f"{r['speed_vs_auto'][n]:.2f}x" for n in names[1:]],
+        )  # fmt: skip
+    console.print(t)
+    m = Table(title=printable(f"KV memory at a {speed['budget']} budget"))
+    for col in ("kv dtype", "KV bytes/token", "resident tokens", "vs auto", "bytes ratio"):
+        m.add_column(col, justify="right")
+    for x in speed["memory"]:
+        m.add_row(
+            x["label"], str(x["kv_bytes_per_token"]), str(x["resident_tokens"]),
+            f"{x['resident_vs_auto']:.3f}x", f"{x['bytes_ratio_auto_over_this']:.3f}x",
+        )  # fmt: skip
+    console.print(m)
+
+
+@bench_app.command("report")
+def bench_report(
+    model: Annotated[str, typer.Argument(help="MODEL (HF dir, .gguf, built-in).")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Report directory.")],
+    chunks: Annotated[int, typer.Option(help="Quality windows of 1024 tokens.")] = 8,
+    contexts: Annotated[str, typer.Option(help="Decode context lengths.")] = "256,1024,4096",
+    batches: Annotated[str, typer.Option(help="Decode batch sizes.")] = "1,8",
+    workdir: Annotated[Path, typer.Option(help="Where the speed artifacts are built.")] = Path(
+        "out/bench"
+    ),
+    quality_json: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="Reuse `bench quality MODEL --json` outputs (repeatable) instead of rerunning."
+        ),
+    ] = None,
+):
+    """Quality + speed side by side: report.md, PNG plots and results.json in OUT.
+
+    Quality: every kv dtype (TurboQuant with and without boundary protection) against
+    llama.cpp, then the TurboQuant presets with recent windows 32 and 128. Speed: auto, fp8
+    and turboquant_4bit_nc, the last also with a 32-token recent window."""
+    from tqexport.bench import report
+    from tqexport.kvquant.modes import parse_kv_cache_dtype
+
+    validate.integer(chunks, "--chunks", 1, matrix.MAX_BENCH_CHUNKS)
+    matrix.speed_args(contexts, batches, 4, "0,32")
+    if quality_json:
+        parts = []
+        for path in quality_json:
+            try:
+                parts.append(json.loads(path.read_text()))
+                parts[-1]["quality"]["model"]
+            except (OSError, ValueError, KeyError, TypeError):
+                raise TQExportError(
+                    f"--quality-json {path} is not the output of `bench quality --json`"
+                ) from None
+    else:
+        tq = [n for n in matrix.BENCH_DTYPES if parse_kv_cache_dtype(n).is_turboquant]
+        parts = []
+        for configs, peer in (
+            (matrix.quality_configs(None, "both", None), True),
+            (matrix.quality_configs(tq, "both", None, "32,128"), False),
+        ):
+            ours, peer_result, note = _quality(model, configs, None, 1024, chunks, peer)
+            parts.append({"quality": ours, "peer": peer_result, "peer_note": note})
+    ours, peer_result, note = report.merge_quality(parts, model)
+    speed = matrix.run_speed(
+        model, None, contexts, batches, 4, DEFAULT_KV_CACHE_MEMORY, workdir, _say, "0,32"
+    )
+    rows = report.with_deltas(ours, peer_result)
+    results = {
+        "model": model,
+        "command": "tqexport bench report " + " ".join(sys.argv[3:]),
+        "machine": report.machine(),
+        "quality": ours,
+        "peer": peer_result,
+        "peer_note": note,
+        "rows": rows,
+        "speed": speed,
+        "goals": report.goals(rows, speed),
+    }
+    files = report.write(out, results)
+    _print_quality(ours, rows, note)
+    _print_speed(speed)
+    for g in results["goals"]:
+        verdict = {True: "MET", False: "NOT MET", None: "NOT MEASURED"}[g["met"]]
+        console.print(printable(f"{g['goal']}: {verdict} ({g['detail']})"))
+    console.print(printable("wrote " + ", ".join(str(f) for f in files)))

@@ -1,0 +1,156 @@
+"""What a ``tqexport bench`` run covers and how it gets there: the configurations scored, the
+artifacts built or reused per dtype, the peers run, each input checked before anything runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from tqexport import validate
+from tqexport.errors import TQExportError
+
+#: every kv dtype a quality run covers by default (aliases and 16-bit stores left out)
+BENCH_DTYPES = (
+    "fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head",
+    "nvfp4", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",
+    "tqx_k4v4_g32", "tqx_k4v3_g32",
+)  # fmt: skip
+BENCH_SPEED_DTYPES = ("auto", "fp8", "turboquant_4bit_nc")
+#: bench sizes: quality windows, decode contexts, batches and timed steps
+MAX_BENCH_CHUNK, MAX_BENCH_CHUNKS = 2**17, 10**5
+MAX_BENCH_CONTEXT, MAX_BENCH_BATCH, MAX_BENCH_STEPS = 2**20, 4096, 10**4
+
+Say = Callable[[str], None]
+
+
+def split(values: list[str] | None) -> list[str]:
+    """Repeated and comma-separated option values, flattened."""
+    return [x.strip() for v in values or [] for x in v.split(",") if x.strip()]
+
+
+def ints(text: str, what: str, minimum: int = 1, maximum: int | None = None) -> list[int]:
+    """'256,1024' -> [256, 1024]; ``what`` names the option in the error."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < minimum:
+        kind = "positive integers" if minimum == 1 else f"integers >= {minimum}"
+        raise TQExportError(f"--{what} must be {kind} separated by commas, got {text!r}")
+    if maximum is not None and max(values) > maximum:
+        raise TQExportError(f"--{what} values must be at most {maximum}, got {max(values)}")
+    return values
+
+
+def quality_configs(
+    dtypes: list[str] | None,
+    boundary: str,
+    skip_layers: list[str] | None,
+    recent: str = "0",
+    kv_scales: str = "1.0",
+):
+    """The configurations a quality run scores: every dtype, TurboQuant ones with boundary
+    protection on/off as asked, quantized ones at every recent window."""
+    from tqexport.bench.quality import Config
+    from tqexport.export.artifact import parse_kv_scales
+    from tqexport.kvquant.modes import parse_kv_cache_dtype
+
+    if boundary not in ("on", "off", "both"):
+        raise TQExportError(f"--boundary must be on, off or both, got {boundary!r}")
+    parse_kv_scales(kv_scales)
+    names = split(dtypes) or list(BENCH_DTYPES)
+    for n in names:
+        parse_kv_cache_dtype(n)
+    skip = tuple(split(skip_layers))
+    windows = ints(recent, "recent-window", minimum=0, maximum=validate.MAX_RECENT_WINDOW)
+    configs = []
+    for n in names:
+        flags = {"on": [True], "off": [False], "both": [True, False]}[boundary]
+        for b in flags if parse_kv_cache_dtype(n).is_turboquant else [True]:
+            configs += [Config(n, b, skip, w, kv_scales) for w in (windows if n != "auto" else [0])]
+    return configs
+
+
+def run_quality(
+    target, configs, text_file, chunk, chunks, peer: bool, progress, say: Say, threads=None
+):
+    """Ours, then the llama.cpp peer when asked and possible: (ours, peer result, peer note)."""
+    from tqexport.bench import evaltext, peers, quality
+
+    text = evaltext.file_text(text_file) if text_file else evaltext.pydoc_topics()
+    ours, ids = quality.evaluate(target, configs, text, chunk, chunks, progress=progress)
+    peer_result, note = None, None
+    source = ours["model"]
+    gguf = peers.gguf_path(source)
+    if not peer:
+        note = "not run (--no-peer)"
+    elif gguf is None:
+        note = f"not run: llama.cpp needs a GGUF model, {source} is not one"
+    elif not peers.available():
+        note = "not run: llama-cpp-python is not installed (pip install -e '.[peers]')"
+    else:
+        say(f"llama.cpp: scoring {len(ids)} chunks (f16, q8_0, q4_0)")
+        peer_result = peers.evaluate(gguf, ids, threads=threads)
+    return ours, peer_result, note
+
+
+def speed_args(contexts: str, batches: str, steps: int, recent: str):
+    """The decode grid (contexts, batches, recent windows), checked."""
+    ctx = ints(contexts, "contexts", maximum=MAX_BENCH_CONTEXT)
+    bat = ints(batches, "batches", maximum=MAX_BENCH_BATCH)
+    windows = ints(recent, "recent-window", minimum=0, maximum=validate.MAX_RECENT_WINDOW)
+    validate.integer(steps, "--steps", 1, MAX_BENCH_STEPS)
+    return ctx, bat, windows
+
+
+def check_speed_memory(spec, label: str, ctx: list[int], bat: list[int], steps: int) -> None:
+    """The largest decode point's caches must fit in this machine's memory."""
+    from tqexport.console import fmt_bytes
+
+    tokens = max(bat) * (max(ctx) + steps + 2 * spec.block_size)
+    need = tokens * (spec.bytes_per_token + spec.recent_bytes_per_token)
+    limit = validate.physical_memory()
+    if limit is not None and need > limit:
+        raise TQExportError(
+            f"{label}: context {max(ctx)} x batch {max(bat)} needs {fmt_bytes(need)} of KV "
+            f"cache, more than this machine's {fmt_bytes(limit)}; lower --contexts or --batches"
+        )
+
+
+def run_speed(target, dtypes, contexts, batches, steps, budget, workdir, say: Say, recent="0"):
+    """Decode speed and KV memory per dtype (and recent window); ``target`` is a model, whose
+    artifacts are built or reused under ``workdir``, or one artifact (compared with auto)."""
+    from tqexport.bench import speed
+    from tqexport.contract.artifact import open_artifact
+    from tqexport.contract.files import SPEC_FILE
+    from tqexport.kvquant.modes import parse_kv_cache_dtype
+    from tqexport.runtime.memory import parse_memory
+
+    ctx, bat, windows = speed_args(contexts, batches, steps, recent)
+    parse_memory(budget, "--budget")
+    if Path(target).is_dir() and (Path(target) / SPEC_FILE).is_file():
+        art = open_artifact(target)
+        check_speed_memory(art.spec, str(target), ctx, bat, steps)
+        name = art.spec.request["kv_cache_dtype"]
+        arts = {"auto": speed.artifact_for(art.spec.model["path"], "auto", workdir)}
+        arts[name] = art
+    else:
+        from tqexport.models.config import describe_model
+        from tqexport.resolve import resolve
+
+        names = ["auto", *[n for n in split(dtypes) or BENCH_SPEED_DTYPES if n != "auto"]]
+        for n in names:  # every name and combination first: nothing is built for a typo
+            parse_kv_cache_dtype(n)
+        desc = describe_model(target)
+        plans = {}
+        for n in names:
+            for w in windows if n != "auto" else [0]:
+                label = f"{n} recent {w}" if w else n
+                plans[label] = (n, w)
+                spec = resolve(desc, n, [], recent_window=w).spec
+                check_speed_memory(spec, label, ctx, bat, steps)
+        arts = {}
+        for label, (n, w) in plans.items():
+            say(f"artifact {label}: building or reusing under {workdir}")
+            arts[label] = speed.artifact_for(target, n, workdir, w)
+    return speed.measure(arts, ctx, bat, steps, budget, progress=say)
