@@ -54,7 +54,7 @@ def test_declared_attributes_are_exactly_what_the_nodes_carry(artifacts, recent)
     layer = spec.layers[1]
     nodes = [(CACHE_WRITE, False), (PAGED_ATTENTION, False)] + [(CACHE_WRITE, True)] * bool(recent)
     for op, into_recent in nodes:
-        carried = node_attrs(op, layer, 4, recent=into_recent)
+        carried = node_attrs(op, layer, 4, binding=int(into_recent))
         assert carried.pop("plugin_namespace") == contract.NAMESPACE == "tqexport"
         declared = contract.attrs_of(contract.plugin_for(op, carried))
         assert list(declared) == sorted(declared, key=list(carried).index)

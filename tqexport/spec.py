@@ -13,12 +13,12 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from functools import cached_property
 from typing import Any
 
 from tqexport import __version__
 from tqexport.errors import TQExportError
-from tqexport.kvquant.codecs import MAX_HEAD_SIZE, MODEL_DTYPES, Codec, TensorFormat, make_codec
+from tqexport.kvquant.codecs import MAX_HEAD_SIZE, MODEL_DTYPES, Codec, TensorFormat, codec_for
 from tqexport.kvquant.modes import KVQuantMode, parse_kv_cache_dtype
 from tqexport.kvquant.turboquant import SlotLayout
 from tqexport.skip_layers import parse_skip_pattern, parse_skip_patterns
@@ -106,9 +106,7 @@ class KVCacheSpec:
 
     @cached_property
     def codec(self) -> Codec:
-        # Shared by every cache with the same parameters: a TurboQuant codec holds a D x D
-        # rotation, and a spec of many identical layers must not hold one per layer.
-        return _shared_codec(
+        return codec_for(
             self.kv_cache_dtype, self.head_size, self.model_dtype, self.k_scale, self.v_scale
         )
 
@@ -181,15 +179,6 @@ class SlidingWindowSpec(KVCacheSpec):
         return self.sliding_window
 
 
-@lru_cache(maxsize=256)
-def _shared_codec(
-    kv_cache_dtype: str, head_size: int, model_dtype: str, k_scale: float, v_scale: float
-) -> Codec:
-    return make_codec(
-        kv_cache_dtype, head_size, model_dtype=model_dtype, k_scale=k_scale, v_scale=v_scale
-    )
-
-
 def _check_size(name: str, value: Any, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
         raise SpecError(f"{name} must be an integer in 1..{hi}, got {_show(value)}")
@@ -219,6 +208,32 @@ def recent_spec(cache: KVCacheSpec, window: int) -> SlidingWindowSpec:
 
 
 @dataclass(frozen=True)
+class CacheBinding:
+    """One paged cache a layer writes and attends over: the prefix of its tensors' graph roles,
+    the cache group whose block table pages it, and the spec of what it stores (a group spec
+    carries what it pages, as vLLM's ``KVCacheGroupSpec`` does)."""
+
+    prefix: str
+    group: int
+    cache: KVCacheSpec
+
+    @property
+    def tensors(self) -> tuple[tuple[str, TensorFormat], ...]:
+        """(graph role, format) of each cache tensor, in graph order."""
+        return tuple((self.prefix + t.role, t) for t in self.cache.tensors)
+
+    @property
+    def blocks_dim(self) -> str:
+        """The graph's symbolic name for this cache's block count."""
+        return f"num_{self.prefix}blocks"
+
+    def tensor_shapes(self, num_blocks: int) -> dict[str, tuple[int, ...]]:
+        """Shape of every cache tensor by graph role."""
+        shapes = self.cache.tensor_shapes(num_blocks)
+        return {self.prefix + role: shape for role, shape in shapes.items()}
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     """Everything about one attention layer that a consumer may need."""
 
@@ -238,19 +253,24 @@ class LayerSpec:
         """Tokens each query reads from the full-precision recent cache (0 = none)."""
         return self.recent.window if self.recent is not None else 0
 
-    @property
-    def cache_tensors(self) -> list[tuple[str, TensorFormat, KVCacheSpec]]:
-        """(graph role, format, owning cache) of every cache tensor of this layer, in graph
-        order: the layer's own cache, then the recent cache's tensors as ``recent_<role>``."""
-        own = [(t.role, t, self.cache) for t in self.cache.tensors]
+    @cached_property
+    def bindings(self) -> tuple[CacheBinding, ...]:
+        """The layer's caches in graph order: its own, then its recent window's (tensors
+        ``recent_<role>``, paged by the recent group). Every consumer iterates these."""
+        own = CacheBinding("", self.group, self.cache)
         if self.recent is None:
-            return own
-        return own + [(RECENT_PREFIX + t.role, t, self.recent) for t in self.recent.tensors]
+            return (own,)
+        return own, CacheBinding(RECENT_PREFIX, self.recent_group, self.recent)
+
+    @property
+    def cache_tensors(self) -> list[tuple[str, TensorFormat, CacheBinding]]:
+        """(graph role, format, binding) of every cache tensor of this layer, in graph order."""
+        return [(role, t, b) for b in self.bindings for role, t in b.tensors]
 
     @property
     def page_size_bytes(self) -> int:
         """Bytes one block id costs in this layer, over all its cache tensors."""
-        return self.cache.page_size_bytes + (self.recent.page_size_bytes if self.recent else 0)
+        return sum(b.cache.page_size_bytes for b in self.bindings)
 
     @property
     def attention_type(self) -> AttentionType:
@@ -294,17 +314,15 @@ class LayerSpec:
             "page_size_bytes": c.page_size_bytes,
             "group": self.group,
             "skipped_by": self.skipped_by,
-            "tensors": [self._tensor_dict(role, t, owner) for role, t, owner in self.cache_tensors],
+            "tensors": [self._tensor_dict(role, t, b) for role, t, b in self.cache_tensors],
             "constants": c.constants,
         } | ({} if self.recent is None else {"recent": self._recent_dict()})
 
-    def _tensor_dict(self, role: str, t: TensorFormat, owner: KVCacheSpec) -> dict[str, Any]:
-        blocks = "num_recent_blocks" if owner is self.recent else "num_blocks"
+    def _tensor_dict(self, role: str, t: TensorFormat, b: CacheBinding) -> dict[str, Any]:
         return {
             "role": role,
             "dtype": t.dtype,
-            "shape": [blocks, owner.block_size, owner.num_kv_heads]
-            + ([] if t.width is None else [t.width]),
+            "shape": _symbolic_shape(b, t),
             "input": self.onnx_input(role),
             "output": self.onnx_output(role),
         }
@@ -416,6 +434,29 @@ class CacheGroup:
     layers: tuple[int, ...]
     #: the group holds these layers' recent-window caches, not their own caches
     recent: bool = False
+
+    def live_blocks(self, tokens: int) -> int:
+        """Blocks one sequence of ``tokens`` holds at once: all of them, or for a windowed group
+        its window plus a partial block at each end."""
+        total = -(-tokens // self.block_size)
+        if self.window is None:
+            return total
+        return min(total, -(-self.window // self.block_size) + 2)
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the group's caches are sized by :meth:`max_blocks`, not the memory budget."""
+        return self.recent
+
+    def max_blocks(self, max_num_seqs: int, max_step_tokens: int) -> int | None:
+        """Blocks this group's caches are sized to, or None when the memory budget sizes them.
+        A recent-window group needs only every running sequence's window, one step's new
+        tokens and the null block (what vLLM's ``SlidingWindowSpec.max_memory_usage_bytes``
+        bounds per sequence)."""
+        if not self.bounded:
+            return None
+        steps = -(-max_step_tokens // self.block_size)
+        return 1 + max_num_seqs * (-(-self.window // self.block_size) + 2) + steps
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -599,9 +640,12 @@ class ModelSpec:
 
     def group_block_bytes(self, group: CacheGroup) -> int:
         """Bytes one block of ``group`` holds over its layers' caches."""
-        if group.recent:
-            return sum(self.layer(i).recent.page_size_bytes for i in group.layers)
-        return sum(self.layer(i).cache.page_size_bytes for i in group.layers)
+        return sum(
+            b.cache.page_size_bytes
+            for i in group.layers
+            for b in self.layer(i).bindings
+            if b.group == group.id
+        )
 
     @property
     def bf16_bytes_per_token(self) -> int:
@@ -619,15 +663,12 @@ class ModelSpec:
             _io("logits_indices", "int64", ["L"]),
         ]
         for g in self.groups:
-            inputs.append(_io(f"slot_mapping_{g.id}", "int64", ["T"]))
-            inputs.append(_io(f"block_tables_{g.id}", "int32", ["num_seqs", f"max_blocks_{g.id}"]))
+            inputs.append(_io(slot_mapping_name(g.id), "int64", ["T"]))
+            inputs.append(_io(block_tables_name(g.id), "int32", ["num_seqs", f"max_blocks_{g.id}"]))
         outputs = [_io("logits", "float32", ["L", vocab])]
         for layer in self.layers:
-            for role, t, c in layer.cache_tensors:
-                blocks = "num_recent_blocks" if c is layer.recent else "num_blocks"
-                shape = [blocks, c.block_size, c.num_kv_heads] + (
-                    [] if t.width is None else [t.width]
-                )
+            for role, t, b in layer.cache_tensors:
+                shape = _symbolic_shape(b, t)
                 inputs.append(_io(layer.onnx_input(role), t.dtype, shape))
                 outputs.append(_io(layer.onnx_output(role), t.dtype, shape))
         return {"inputs": inputs, "outputs": outputs}
@@ -1108,6 +1149,22 @@ def _skipped_by(d: dict[str, Any], where: str) -> str | None:
     raise _bad(
         where, "skipped_by", f'null, "{SKIP_BOUNDARY}" or "{SKIP_PATTERN_PREFIX}PATTERN"', value
     )
+
+
+def slot_mapping_name(group: int) -> str:
+    """The graph input holding each step token's cache slot in ``group`` (-1 = padding)."""
+    return f"slot_mapping_{group}"
+
+
+def block_tables_name(group: int) -> str:
+    """The graph input holding every sequence's block table in ``group``."""
+    return f"block_tables_{group}"
+
+
+def _symbolic_shape(b: CacheBinding, t: TensorFormat) -> list:
+    """A cache tensor's shape with its block count by name: ``[num_blocks, bs, kvh(, X)]``."""
+    lead = [b.blocks_dim, b.cache.block_size, b.cache.num_kv_heads]
+    return lead + ([] if t.width is None else [t.width])
 
 
 def _io(name: str, dtype: str, shape: list) -> dict[str, Any]:

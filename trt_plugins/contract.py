@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tqexport.errors import TQExportError
-from tqexport.kvquant.codecs import Codec
+from tqexport.kvquant.codecs import Codec, codec_for
 from tqexport.ops.attributes import CACHE_WRITE, DOMAIN, PAGED_ATTENTION
-from tqexport.ops.library import codec_for
 from tqexport.ops.triton import cache_write as triton_write
 from tqexport.ops.triton import paged_attention as triton_attention
+from tqexport.ops.triton.common import supports
 
 NAMESPACE = DOMAIN
 #: Attributes every plugin declares, with the Python type TensorRT hands them over as
@@ -93,7 +93,7 @@ def codec_of(attrs: dict) -> Codec:
     kv = attrs["kv_cache_dtype"]
     codec = codec_for(kv, int(attrs["head_size"]), attrs["model_dtype"],
                       float(attrs["k_scale"]), float(attrs["v_scale"]))  # fmt: skip
-    if not (triton_write.supports(codec) and triton_attention.supports(codec)):
+    if not supports(codec):
         raise UnsupportedLayerError(
             f"layer {attrs.get('layer', '?')}: kv-cache dtype {kv} ({attrs['quant_mode']}, head "
             f"size {attrs['head_size']}) has no Triton kernel, so no TensorRT plugin; TensorRT "

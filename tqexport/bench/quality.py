@@ -1,8 +1,9 @@
 """``tqexport bench quality``: perplexity, KL and top-1 agreement per kv-cache configuration.
 
 Every configuration is scored THROUGH an executor's paged caches: each chunk is prefilled with
-the graph's ``logits_indices`` asking for every position, and attention reads the cache (DESIGN
-"Attention semantics"), so every prediction sees cache entries stored in its layer's format.
+the graph's ``logits_indices`` asking for every position, and attention reads the cache it has
+just written (:func:`tqexport.ops.reference.paged_attention`), so every prediction sees cache
+entries stored in its layer's format.
 Given a MODEL, each configuration's spec is resolved from it and run on the torch reference ops
 (no export needed); given an artifact DIR, its own configuration runs on ONNX Runtime. The
 baseline (every layer ``auto``) always runs on the torch reference ops of the same weights.
@@ -61,11 +62,12 @@ def bits_per_element(spec: ModelSpec, model_bits: int | None = None) -> float:
     bits = elems = 0
     for la in spec.layers:
         n = 2 * la.cache.num_kv_heads * la.cache.head_size
-        plain = model_bits is not None and la.kv_cache_dtype == "auto"
-        bits += n * model_bits if plain else 8 * la.cache.bytes_per_token
-        if la.recent is not None:
-            per_token = n * model_bits if model_bits else 8 * la.recent.bytes_per_token
-            bits += per_token * min(la.recent_window, AMORTIZE_CONTEXT) / AMORTIZE_CONTEXT
+        for b in la.bindings:
+            plain = model_bits is not None and b.cache.kv_cache_dtype == "auto"
+            per_token = n * model_bits if plain else 8 * b.cache.bytes_per_token
+            if spec.groups[b.group].bounded:  # holds only its window of each sequence
+                per_token = per_token * min(b.cache.window, AMORTIZE_CONTEXT) / AMORTIZE_CONTEXT
+            bits += per_token
         elems += n
     return bits / elems
 

@@ -28,16 +28,16 @@ def per_group(spec: ModelSpec, num_blocks: int | Sequence[int]) -> list[int]:
 def allocate_caches(spec: ModelSpec, num_blocks: int | Sequence[int]) -> dict[str, torch.Tensor]:
     """Zeroed cache tensors keyed by graph input name (``cache.{layer}.{role}``).
 
-    A layer's own cache has its group's block count, its recent-window cache (if any) the
-    recent group's. Block 0 is the null block; zeros keep recycled-but-masked bytes finite.
+    Each of a layer's cache bindings has its group's block count. Block 0 is the null block;
+    zeros keep recycled-but-masked bytes finite.
     """
     blocks = per_group(spec, num_blocks)
     if min(blocks) < 2:
         raise ValueError("need at least 2 blocks (block 0 is the reserved null block)")
     out = {}
     for layer in spec.layers:
-        for role, t, owner in layer.cache_tensors:
-            group = layer.recent_group if owner is layer.recent else layer.group
-            shape = owner.tensor_shapes(blocks[group])[t.role]
-            out[layer.onnx_input(role)] = torch.zeros(shape, dtype=torch_dtype(t.dtype))
+        for b in layer.bindings:
+            shapes = b.tensor_shapes(blocks[b.group])
+            for role, t in b.tensors:
+                out[layer.onnx_input(role)] = torch.zeros(shapes[role], dtype=torch_dtype(t.dtype))
     return out

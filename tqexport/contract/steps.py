@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tqexport.spec import ModelSpec
+from tqexport.spec import ModelSpec, block_tables_name, slot_mapping_name
 
 
 @dataclass
@@ -65,8 +65,8 @@ def build_step(
         width = max([len(c.block_tables[g.id]) for c in chunks] + [1])
         rows = [c.block_tables[g.id] + [0] * (width - len(c.block_tables[g.id])) for c in chunks]
         rows += [[0] * width] * pad_seqs
-        out[f"slot_mapping_{g.id}"] = torch.cat(slots[g.id])
-        out[f"block_tables_{g.id}"] = torch.tensor(rows, dtype=torch.int32)
+        out[slot_mapping_name(g.id)] = torch.cat(slots[g.id])
+        out[block_tables_name(g.id)] = torch.tensor(rows, dtype=torch.int32)
     return out
 
 

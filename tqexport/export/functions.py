@@ -16,10 +16,9 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from tqexport.kvquant.codecs import MODEL_DTYPES, torch_dtype
+from tqexport.kvquant.codecs import MODEL_DTYPES, codec_for, torch_dtype
 from tqexport.ops import reference
 from tqexport.ops.attributes import CACHE_WRITE, DOMAIN
-from tqexport.ops.library import codec_for
 
 
 class _CacheWriteBody(torch.nn.Module):

@@ -20,7 +20,7 @@ from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
 from tqexport.export.functions import function_for
 from tqexport.models.paged import PagedCausalLM
 from tqexport.ops.attributes import DOMAIN
-from tqexport.spec import ModelSpec
+from tqexport.spec import ModelSpec, block_tables_name, slot_mapping_name
 
 DEFAULT_OPSET = 21
 
@@ -31,14 +31,14 @@ def _example(spec: ModelSpec):
     other = [[4, 5, 0] for _ in spec.groups]
     chunks = [SeqChunk([1, 2, 3, 4], 0, tables, "all"), SeqChunk([5, 6, 7], 0, other, "none")]
     step = build_step(spec, chunks)
-    caches = allocate_caches(spec, [6 if g.recent else 7 for g in spec.groups])
+    # bounded groups' block counts differ from the others' so export keeps both dims apart
+    caches = allocate_caches(spec, [6 if g.bounded else 7 for g in spec.groups])
     return step, caches
 
 
 def _dynamic_shapes(spec: ModelSpec):
     dim = torch.export.Dim
     tokens, seqs, logits = dim("T"), dim("num_seqs"), dim("L")
-    blocks, recent_blocks = dim("num_blocks"), dim("num_recent_blocks")
     out = {
         "input_ids": {0: tokens},
         "positions": {0: tokens},
@@ -47,11 +47,12 @@ def _dynamic_shapes(spec: ModelSpec):
         "logits_indices": {0: logits},
     }
     for g in spec.groups:
-        out[f"slot_mapping_{g.id}"] = {0: tokens}
-        out[f"block_tables_{g.id}"] = {0: seqs, 1: dim(f"max_blocks_{g.id}")}
+        out[slot_mapping_name(g.id)] = {0: tokens}
+        out[block_tables_name(g.id)] = {0: seqs, 1: dim(f"max_blocks_{g.id}")}
+    blocks: dict[str, torch.export.Dim] = {}
     for layer in spec.layers:
-        for role, _, owner in layer.cache_tensors:
-            out[layer.onnx_input(role)] = {0: recent_blocks if owner is layer.recent else blocks}
+        for role, _, b in layer.cache_tensors:
+            out[layer.onnx_input(role)] = {0: blocks.setdefault(b.blocks_dim, dim(b.blocks_dim))}
     return out
 
 

@@ -26,7 +26,7 @@ def check_layers(spec: ModelSpec) -> None:
     from trt_plugins.contract import codec_of
 
     for layer in spec.layers:
-        codec_of({**cache_write_attrs(layer), "layer": layer.index})
+        codec_of({**cache_write_attrs(layer.cache), "layer": layer.index})
 
 
 def node_attributes(node: onnx.NodeProto) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import operator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -657,3 +658,14 @@ def make_codec(
 def compression_vs_bf16(codec: Codec) -> float:
     """How many times smaller than a bf16 K+V cache this codec's cache is."""
     return (2 * 2 * codec.head_size) / codec.bytes_per_token_head
+
+
+@lru_cache(maxsize=256)
+def codec_for(
+    kv_cache_dtype: str, head_size: int, model_dtype: str, k_scale: float, v_scale: float
+) -> Codec:
+    """:func:`make_codec`, shared by every cache with the same parameters (a TurboQuant codec
+    holds a D x D rotation: a spec of many identical layers must not hold one per layer)."""
+    return make_codec(
+        kv_cache_dtype, head_size, model_dtype=model_dtype, k_scale=k_scale, v_scale=v_scale
+    )

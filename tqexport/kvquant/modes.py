@@ -195,5 +195,5 @@ def parse_kv_cache_dtype(name: str) -> KVCacheDType:
 
 
 def quant_mode_of(name: str) -> KVQuantMode:
-    """vLLM's name -> mode rule: exact names, ``turboquant_*``, ``fp8*``, else NONE."""
+    """The quant mode of a registered kv-cache dtype name (an unknown name raises KVDtypeError)."""
     return parse_kv_cache_dtype(name).mode

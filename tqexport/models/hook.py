@@ -16,8 +16,13 @@ import transformers
 
 from tqexport.errors import TQExportError
 from tqexport.ops import reference
-from tqexport.ops.attributes import CACHE_WRITE, DOMAIN, PAGED_ATTENTION, node_attrs
-from tqexport.ops.library import codec_for
+from tqexport.ops.attributes import (
+    CACHE_WRITE,
+    DOMAIN,
+    PAGED_ATTENTION,
+    attention_segments,
+    node_attrs,
+)
 from tqexport.spec import LayerSpec, ModelSpec
 
 ATTENTION_NAME = "tqexport"
@@ -120,90 +125,89 @@ def tqexport_attention(module, query, key, value, attention_mask, **kwargs):
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     step = ctx.step
-    slot_mapping = step.slot_mappings[layer.group]
-    block_tables = step.block_tables[layer.group]
-    n_own = len(layer.cache.tensors)
-    cache, recent = ctx.caches[layer.index][:n_own], ctx.caches[layer.index][n_own:]
-    r = layer.recent
-    recent_slots = step.slot_mappings[layer.recent_group] if r else None
-    recent_tables = step.block_tables[layer.recent_group] if r else None
+    caches = _split_bindings(layer, ctx.caches[layer.index])
+    slots = [step.slot_mappings[b.group] for b in layer.bindings]
+    tables = [step.block_tables[b.group] for b in layer.bindings]
     c = layer.cache
     if ctx.observer is not None:
         ctx.observer(layer, k, v)
     if ctx.mode == "export":
-        out, new_cache = _emit_nodes(
-            ctx, layer, q, k, v, cache, slot_mapping, block_tables, recent, recent_slots,
-            recent_tables,
-        )  # fmt: skip
-        ctx.new_caches[layer.index] = new_cache
+        out, written = _emit_nodes(ctx, layer, q, k, v, caches, slots, tables)
     elif ctx.mode == "inplace":
-        scales = (c.kv_cache_dtype, c.model_dtype, c.k_scale, c.v_scale)
-        torch.ops.tqexport.cache_write(cache, k, v, slot_mapping, *scales)
-        if r:
-            torch.ops.tqexport.cache_write(
-                recent, k, v, recent_slots, "auto", r.model_dtype, 1.0, 1.0
-            )
+        for b, cache, slot_mapping in zip(layer.bindings, caches, slots, strict=True):
+            torch.ops.tqexport.cache_write(cache, k, v, slot_mapping, *_op_cache_args(b.cache))
+        seg = attention_segments(layer, caches, tables)
         out = torch.ops.tqexport.paged_attention(
-            q, cache, block_tables, step.seq_lens, step.query_start_loc, step.positions,
-            *scales, layer.scale, layer.softcap or 0.0, layer.window or 0,
-            recent, recent_tables, layer.recent_window,
+            q, caches[0], tables[0], step.seq_lens, step.query_start_loc, step.positions,
+            *_op_cache_args(c), layer.scale, layer.softcap or 0.0, layer.window or 0, **seg,
         )  # fmt: skip
     else:
-        codec = codec_for(c.kv_cache_dtype, c.head_size, c.model_dtype, c.k_scale, c.v_scale)
-        new_cache = reference.write_cache(codec, cache, k, v, slot_mapping)
-        if r:
-            plain = codec_for("auto", r.head_size, r.model_dtype, 1.0, 1.0)
-            recent = reference.write_cache(plain, recent, k, v, recent_slots)
-        ctx.new_caches[layer.index] = new_cache + recent
+        written = [
+            reference.write_cache(b.cache.codec, cache, k, v, slot_mapping)
+            for b, cache, slot_mapping in zip(layer.bindings, caches, slots, strict=True)
+        ]
         out = reference.paged_attention(
-            codec,
+            c.codec,
             q,
-            new_cache,
-            block_tables,
+            written[0],
+            tables[0],
             step.seq_lens,
             step.query_start_loc,
             step.positions,
             scale=layer.scale,
             softcap=layer.softcap,
             window=layer.window,
-            recent_cache=recent or None,
-            recent_block_tables=recent_tables,
-            recent_window=layer.recent_window,
+            **attention_segments(layer, written, tables),
         )
+    if ctx.mode != "inplace":
+        ctx.new_caches[layer.index] = [t for tensors in written for t in tensors]
     return out.unsqueeze(0), None
 
 
-def _emit_nodes(
-    ctx, layer, q, k, v, cache, slot_mapping, block_tables, recent, recent_slots, recent_tables
-):
-    """Export form: a CacheWrite node (cache in -> cache out) and a PagedAttention node that
-    reads the written cache, both in domain ``tqexport`` with the layer's spec as attributes.
-    A layer with a recent window gets a second CacheWrite (into its recent cache), and its
-    PagedAttention also reads the written recent cache and the recent group's block table."""
+def _split_bindings(layer: LayerSpec, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """A layer's cache tensors (graph order) grouped by binding."""
+    out, at = [], 0
+    for b in layer.bindings:
+        out.append(list(tensors[at : at + len(b.cache.tensors)]))
+        at += len(b.cache.tensors)
+    return out
+
+
+def _op_cache_args(c) -> tuple:
+    """The torch ops' description of a cache: dtype name, model dtype, k and v scales."""
+    return c.kv_cache_dtype, c.model_dtype, c.k_scale, c.v_scale
+
+
+def _emit_nodes(ctx, layer, q, k, v, caches, slots, tables):
+    """Export form: one CacheWrite node per cache binding (cache in -> cache out) and a
+    PagedAttention node reading the written caches, all in domain ``tqexport`` with the
+    layer's spec as attributes. PagedAttention's inputs are the first binding's cache and
+    block table with the step tensors, then each further binding's cache and block table."""
     step = ctx.step
 
-    def write(tensors, slots, is_recent):
+    def write(i, tensors, slot_mapping):
         return list(
             torch.onnx.ops.symbolic_multi_out(
                 f"{DOMAIN}::{CACHE_WRITE}",
-                [*tensors, k, v, slots],
-                node_attrs(CACHE_WRITE, layer, ctx.num_heads, recent=is_recent),
+                [*tensors, k, v, slot_mapping],
+                node_attrs(CACHE_WRITE, layer, ctx.num_heads, binding=i),
                 dtypes=[t.dtype for t in tensors],
                 shapes=[t.shape for t in tensors],
             )
         )
 
-    new_cache = write(cache, slot_mapping, False)
-    new_recent = write(recent, recent_slots, True) if recent else []
-    inputs = [q, *new_cache, block_tables, step.seq_lens, step.query_start_loc, step.positions]
+    written = [write(i, t, sl) for i, (t, sl) in enumerate(zip(caches, slots, strict=True))]
+    inputs = [q, *written[0], tables[0], step.seq_lens, step.query_start_loc, step.positions]
+    for tensors, table in zip(written[1:], tables[1:], strict=True):
+        inputs += [*tensors, table]
     out = torch.onnx.ops.symbolic(
         f"{DOMAIN}::{PAGED_ATTENTION}",
-        inputs + ([*new_recent, recent_tables] if recent else []),
+        inputs,
         node_attrs(PAGED_ATTENTION, layer, ctx.num_heads),
         dtype=q.dtype,
         shape=q.shape,
     )
-    return out, new_cache + new_recent
+    return out, written
 
 
 transformers.AttentionInterface.register(ATTENTION_NAME, tqexport_attention)

@@ -10,16 +10,15 @@ from __future__ import annotations
 import hashlib
 import json
 
-from tqexport.spec import LayerSpec
+from tqexport.spec import KVCacheSpec, LayerSpec
 
 DOMAIN = "tqexport"
 CACHE_WRITE = "CacheWrite"
 PAGED_ATTENTION = "PagedAttention"
 
 
-def cache_write_attrs(layer: LayerSpec, recent: bool = False) -> dict:
-    """Static parameters of a layer's CacheWrite (``recent``: the write into its recent cache)."""
-    c = layer.recent if recent else layer.cache
+def cache_write_attrs(c: KVCacheSpec) -> dict:
+    """Static parameters of a CacheWrite into a cache of spec ``c``."""
     return {
         "kv_cache_dtype": c.kv_cache_dtype,
         "quant_mode": c.mode.name,
@@ -36,7 +35,7 @@ def paged_attention_attrs(layer: LayerSpec, num_heads: int) -> dict:
     """Static parameters of a layer's PagedAttention; ``recent_window`` only when it has one,
     so layers without a recent window keep exactly their earlier attributes and variants."""
     return {
-        **cache_write_attrs(layer),
+        **cache_write_attrs(layer.cache),
         "num_heads": num_heads,
         "scale": float(layer.scale),
         "softcap": float(layer.softcap or 0.0),
@@ -50,10 +49,11 @@ def variant(op: str, attrs: dict) -> str:
     return f"{attrs['kv_cache_dtype']}_{digest}"
 
 
-def node_attrs(op: str, layer: LayerSpec, num_heads: int, recent: bool = False) -> dict:
-    """Everything a node carries: static params, variant, layer index, TensorRT namespace."""
+def node_attrs(op: str, layer: LayerSpec, num_heads: int, binding: int = 0) -> dict:
+    """Everything a node carries: static params, variant, layer index, TensorRT namespace
+    (a CacheWrite writes into ``layer.bindings[binding]``)."""
     attrs = (
-        cache_write_attrs(layer, recent)
+        cache_write_attrs(layer.bindings[binding].cache)
         if op == CACHE_WRITE
         else paged_attention_attrs(layer, num_heads)
     )
@@ -62,4 +62,16 @@ def node_attrs(op: str, layer: LayerSpec, num_heads: int, recent: bool = False) 
         "variant": variant(op, attrs),
         "layer": layer.index,
         "plugin_namespace": DOMAIN,
+    }
+
+
+def attention_segments(layer: LayerSpec, caches: list, block_tables: list) -> dict:
+    """PagedAttention's operands beyond the layer's first binding, by keyword: the written
+    cache and block table of its recent-window binding and the window (none: empty, 0)."""
+    if len(layer.bindings) == 1:
+        return {"recent_cache": [], "recent_block_tables": None, "recent_window": 0}
+    return {
+        "recent_cache": caches[1],
+        "recent_block_tables": block_tables[1],
+        "recent_window": layer.recent_window,
     }

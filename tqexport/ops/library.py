@@ -8,21 +8,10 @@ torch.compile/export trace them. Export to ONNX does not go through these (see e
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
-from tqexport.kvquant.codecs import Codec, make_codec
+from tqexport.kvquant.codecs import codec_for
 from tqexport.ops import reference
-
-
-@lru_cache(maxsize=256)
-def codec_for(
-    kv_cache_dtype: str, head_size: int, model_dtype: str, k_scale: float, v_scale: float
-) -> Codec:
-    return make_codec(
-        kv_cache_dtype, head_size, model_dtype=model_dtype, k_scale=k_scale, v_scale=v_scale
-    )
 
 
 @torch.library.custom_op("tqexport::cache_write", mutates_args=("cache",))
@@ -39,8 +28,9 @@ def cache_write(
     codec = codec_for(kv_cache_dtype, k.shape[-1], model_dtype, k_scale, v_scale)
     if k.is_cuda:
         from tqexport.ops.triton import cache_write as triton_write
+        from tqexport.ops.triton.common import supports
 
-        if triton_write.supports(codec):
+        if supports(codec):
             triton_write.write_cache_(codec, cache, k, v, slot_mapping)
             return
     reference.write_cache_(codec, cache, k, v, slot_mapping)
@@ -70,8 +60,9 @@ def paged_attention(
     codec = codec_for(kv_cache_dtype, q.shape[-1], model_dtype, k_scale, v_scale)
     if q.is_cuda:
         from tqexport.ops.triton import paged_attention as triton_attention
+        from tqexport.ops.triton.common import supports
 
-        if triton_attention.supports(codec):
+        if supports(codec):
             return triton_attention.paged_attention(
                 codec, q, cache, block_tables, seq_lens, query_start_loc, positions,
                 scale=scale, softcap=softcap or None, window=window or None,

@@ -1,9 +1,9 @@
 """Per-cache-group block allocation: block tables, on-demand blocks, sliding-window recycling.
 
-Every layer's cache tensor has ``num_blocks`` blocks and block 0 is the null block, never
-handed out. Each cache group (layers sharing a window) has its own free list over blocks
-1..num_blocks-1 and its own block table per sequence. A sliding-window group replaces blocks
-that no future query can see by the null block and frees them (vLLM's scheme).
+Each cache group (the caches sharing one window, see ``ModelSpec.groups``) has its own block
+count, a free list over blocks 1..n-1 (block 0 is the null block, never handed out) and its own
+block table per sequence. A sliding-window group replaces blocks that no future query can see
+by the null block and frees them (vLLM's scheme).
 """
 
 from __future__ import annotations
@@ -28,10 +28,7 @@ class GroupAllocator:
 
     def max_live_blocks(self, tokens: int) -> int:
         """Blocks a sequence of ``tokens`` holds at once (bounded by the window)."""
-        total = -(-tokens // self.block_size)
-        if self.group.window is None:
-            return total
-        return min(total, -(-(self.group.window + self.block_size) // self.block_size) + 1)
+        return self.group.live_blocks(tokens)
 
     def grow(self, table: list[int], upto_tokens: int) -> None:
         for _ in range(self.blocks_needed(table, upto_tokens)):

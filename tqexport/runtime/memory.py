@@ -9,7 +9,7 @@ from tqexport import validate
 from tqexport.contract.artifact import Artifact
 from tqexport.errors import TQExportError
 from tqexport.runtime.config import DEFAULT_KV_CACHE_MEMORY
-from tqexport.spec import CacheGroup, ModelSpec
+from tqexport.spec import ModelSpec
 
 _UNITS = {
     "": 1,
@@ -47,8 +47,9 @@ def _fmt_size(n: int) -> str:
 
 
 def block_bytes(artifact: Artifact) -> int:
-    """Bytes one block id costs across every layer's own cache (recent-window caches aside)."""
-    return sum(la.cache.page_size_bytes for la in artifact.spec.layers)
+    """Bytes one block id costs across the groups the budget sizes (not the bounded ones)."""
+    spec = artifact.spec
+    return sum(spec.group_block_bytes(g) for g in spec.groups if not g.bounded)
 
 
 def resolve_num_blocks(
@@ -69,11 +70,8 @@ def resolve_num_blocks(
         raise TQExportError("give --num-blocks or --kv-cache-memory, not both")
     validate.serving(num_blocks, max_num_seqs, max_num_batched_tokens)
     budget = parse_memory(memory) if memory is not None else None
-    recent = {
-        g.id: recent_group_blocks(g, max_num_seqs, max_num_batched_tokens)
-        for g in spec.groups
-        if g.recent
-    }
+    bounds = [g.max_blocks(max_num_seqs, max_num_batched_tokens) for g in spec.groups]
+    recent = {g.id: n for g, n in zip(spec.groups, bounds, strict=True) if n is not None}
     recent_bytes = sum(n * spec.group_block_bytes(spec.groups[g]) for g, n in recent.items())
     if num_blocks is None:
         budget = budget or parse_memory(DEFAULT_KV_CACHE_MEMORY)
@@ -102,13 +100,6 @@ def resolve_num_blocks(
     return groups
 
 
-def recent_group_blocks(group: CacheGroup, max_num_seqs: int, max_step_tokens: int) -> int:
-    """Blocks a recent-window group needs at most: each running sequence's window (plus a
-    partial block at each end), one step's worth of new tokens, and the null block."""
-    bs = group.block_size
-    return 1 + max_num_seqs * (-(-group.window // bs) + 2) + -(-max_step_tokens // bs)
-
-
 def allocation(spec: ModelSpec, per_group: list[int]) -> dict:
     """Per layer, per group and in total: the blocks and bytes ``per_group`` gives each cache
     (``inspect --json``'s document)."""
@@ -125,8 +116,7 @@ def allocation(spec: ModelSpec, per_group: list[int]) -> dict:
             "recent_window": la.recent_window,
             "recent_group": la.recent_group,
             "blocks": per_group[la.group],
-            "bytes": per_group[la.group] * la.cache.page_size_bytes
-            + (per_group[la.recent_group] * la.recent.page_size_bytes if la.recent else 0),
+            "bytes": sum(per_group[b.group] * b.cache.page_size_bytes for b in la.bindings),
         }
         for la in spec.layers
     ]

@@ -31,11 +31,10 @@ from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
 from tqexport.errors import TQExportError
 from tqexport.models.paged import PagedCausalLM
 from tqexport.ops import reference
-from tqexport.ops.attributes import CACHE_WRITE, DOMAIN, PAGED_ATTENTION
-from tqexport.ops.library import codec_for
+from tqexport.ops.attributes import CACHE_WRITE, DOMAIN, PAGED_ATTENTION, attention_segments
 from tqexport.runtime.backends.ort import providers
 from tqexport.runtime.backends.torch import load_source_model
-from tqexport.spec import ModelSpec
+from tqexport.spec import ModelSpec, block_tables_name, slot_mapping_name
 
 TOL = 1e-4
 #: relative size (to each token-head's rms) and number of the perturbations that find
@@ -153,39 +152,33 @@ def _check_layers(spec: ModelSpec, step, caches, out, taps, step_no):
     checks = []
     tol = tolerance(spec.dtype)
     for layer in spec.layers:
-        c = layer.cache
-        codec = codec_for(c.kv_cache_dtype, c.head_size, c.model_dtype, c.k_scale, c.v_scale)
         k, v = out[taps[(layer.index, "k")]], out[taps[(layer.index, "v")]]
         ok, worst, details = True, 0.0, []
-        written_caches = {}
-        for group, owner, prefix in [(layer.group, c, "")] + (
-            [(layer.recent_group, layer.recent, "recent_")] if layer.recent else []
-        ):
-            own_codec = codec if owner is c else codec_for("auto", c.head_size, c.model_dtype, 1, 1)
-            roles = [prefix + t.role for t in owner.tensors]
+        written, tables = [], []
+        for b in layer.bindings:
+            roles = [role for role, _ in b.tensors]
             cache_in = [caches[layer.onnx_input(r)] for r in roles]
             cache_out = [out[layer.onnx_output(r)] for r in roles]
-            written_caches[prefix] = cache_out
-            slots = step[f"slot_mapping_{group}"]
-            fine, diff, said = compare_write(own_codec, cache_in, k, v, slots, cache_out, tol)
+            written.append(cache_out)
+            tables.append(step[block_tables_name(b.group)])
+            slots = step[slot_mapping_name(b.group)]
+            fine, diff, said = compare_write(b.cache.codec, cache_in, k, v, slots, cache_out, tol)
             ok &= fine
             worst = max(worst, diff)
-            details += [f"{prefix}{x}" for x in said]
+            details += [f"{b.prefix}{x}" for x in said]
         q = out[taps[(layer.index, "q")]]
         ref_attn = reference.paged_attention(
-            codec,
+            layer.cache.codec,
             q,
-            written_caches[""],
-            step[f"block_tables_{layer.group}"],
+            written[0],
+            tables[0],
             step["seq_lens"],
             step["query_start_loc"],
             step["positions"],
             scale=layer.scale,
             softcap=layer.softcap,
             window=layer.window,
-            recent_cache=written_caches.get("recent_"),
-            recent_block_tables=step.get(f"block_tables_{layer.recent_group}"),
-            recent_window=layer.recent_window,
+            **attention_segments(layer, written, tables),
         )
         fine, diff = _close(ref_attn, out[taps[(layer.index, "out")]], tol)
         ok &= fine

@@ -9,15 +9,21 @@ are redirected to the null block's first slot, like the reference.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 import triton
 import triton.language as tl
 
-from tqexport.kvquant import turboquant as tq
 from tqexport.kvquant.bits import FP8_FORMATS
 from tqexport.kvquant.codecs import Codec, Fp8PerTensorCodec, TurboQuantCodec, UnquantizedCodec
+from tqexport.ops.triton.common import (
+    TRITON_TYPES,
+    WRITE_LAYOUT_KEYS,
+    as_fp32,
+    hadamard_tile,
+    layout_constants,
+    turboquant_inline_tables,
+    turboquant_tables,
+)
 
 
 @triton.jit
@@ -69,23 +75,6 @@ def _store_packed(ptr, codes, BITS: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _hadamard_tile(rot_ptr, D: tl.constexpr, INLINE: tl.constexpr, INV_SQRT: tl.constexpr):
-    """The [D, D] normalized Sylvester Hadamard: loaded from ``rot_ptr``, or (INLINE) computed as
-    (-1)^popcount(i & j) * INV_SQRT, INV_SQRT being the fp32 table entry (so the same bits)."""
-    offs = tl.arange(0, D)
-    if INLINE:
-        ij = offs[:, None] & offs[None, :]
-        parity = tl.zeros([D, D], dtype=tl.int32)
-        for b in tl.static_range(16):
-            if (1 << b) < D:
-                parity = parity ^ ((ij >> b) & 1)
-        rot = tl.where(parity == 1, -INV_SQRT, INV_SQRT)
-    else:
-        rot = tl.load(rot_ptr + offs[:, None] * D + offs[None, :])
-    return rot
-
-
-@triton.jit
 def _mse_codes(y, th_ptr, KEY_BITS: tl.constexpr, INLINE: tl.constexpr, TH: tl.constexpr):
     """Centroid index per coordinate: how many thresholds are <= y (from ``th_ptr`` or TH)."""
     idx = tl.zeros(y.shape, dtype=tl.int32)
@@ -123,7 +112,7 @@ def _turboquant_write(
     else:
         norm = tl.sqrt(tl.sum(k * k, axis=0))
         x = k / (norm + 1e-8)
-        rot = _hadamard_tile(rot_ptr, D, INLINE, INV_SQRT)
+        rot = hadamard_tile(rot_ptr, D, INLINE, INV_SQRT)
         y = tl.sum(x[:, None] * rot, axis=0)
         idx = _mse_codes(y, th_ptr, KEY_BITS, INLINE, TH)
         _store_packed(base, idx, KEY_BITS, D)
@@ -239,30 +228,9 @@ def trt_copy_write_kernel(
 LAUNCH = {"enable_fp_fusion": False}
 
 
-def supports(codec: Codec) -> bool:
-    d = codec.head_size
-    return (
-        isinstance(codec, TurboQuantCodec | Fp8PerTensorCodec | UnquantizedCodec)
-        and d & (d - 1) == 0
-    )
-
-
 def _turboquant_constants(codec: TurboQuantCodec, heads: int) -> dict:
-    lay, p = codec.layout, codec.preset
-    return dict(
-        H=heads, D=codec.head_size, SLOT=lay.slot_size_aligned,
-        KEY_BITS=p.key_bits if not p.key_fp8 else 1, VAL_BITS=p.value_bits, KEY_FP8=p.key_fp8,
-        NORM_OFF=lay.key_norm_offset or 0, VAL_OFF=lay.value_offset,
-        SCALE_OFF=lay.value_scale_offset, ZERO_OFF=lay.value_zero_offset, NG=lay.value_groups,
-    )  # fmt: skip
-
-
-@lru_cache(maxsize=32)
-def turboquant_tables(head_size: int, key_bits: int, device: str):
-    """(Hadamard, centroids, thresholds) on ``device``, built once per layout and device."""
-    rot = tq.hadamard(head_size)
-    cents = tq.centroids(head_size, key_bits)
-    return rot.to(device), cents.to(device), tq.thresholds(cents).to(device)
+    layout = layout_constants(codec)
+    return dict(H=heads, D=codec.head_size, **{k: layout[k] for k in WRITE_LAYOUT_KEYS})
 
 
 def kernel_variants(codec: Codec, heads: int):
@@ -281,16 +249,6 @@ def kernel_variants(codec: Codec, heads: int):
     sig = {"x_ptr": "*fp32", "slot_ptr": "*i64", "cache_ptr": "*fp32"}
     consts = dict(H=heads, D=d)
     return [(copy_write_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)]
-
-
-TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-
-
-def turboquant_inline_tables(codec: TurboQuantCodec) -> dict:
-    """INV_SQRT and TH: the fp32 Hadamard entry and thresholds as exact Python floats."""
-    d, p = codec.head_size, codec.preset
-    th = () if p.key_fp8 else tuple(tq.thresholds(tq.centroids(d, p.key_bits)).tolist())
-    return dict(INV_SQRT=float(tq.hadamard(d)[0, 0]), TH=th)
 
 
 def trt_kernel_variant(codec: Codec, heads: int, model_dtype: str):
@@ -312,17 +270,12 @@ def trt_kernel_variant(codec: Codec, heads: int, model_dtype: str):
            "slot_ptr": "*i64", "k_cache_ptr": cache_t, "v_cache_ptr": cache_t}  # fmt: skip
     if isinstance(codec, Fp8PerTensorCodec):
         consts = dict(H=heads, D=d, E5M2=codec.fmt is FP8_FORMATS["float8_e5m2"],
-                      K_SCALE=_fp32(codec.k_scale), V_SCALE=_fp32(codec.v_scale))  # fmt: skip
+                      K_SCALE=as_fp32(codec.k_scale), V_SCALE=as_fp32(codec.v_scale))  # fmt: skip
         return trt_fp8_write_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts
     if isinstance(codec, UnquantizedCodec):
         consts = dict(H=heads, D=d)
         return trt_copy_write_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts
     raise ValueError(f"the Triton cache write does not cover {type(codec).__name__}")
-
-
-def _fp32(x: float) -> float:
-    """The fp32 value a runtime fp32 argument would carry, as a Python float (exact)."""
-    return float(torch.tensor(x, dtype=torch.float32))
 
 
 def write_cache_(codec: Codec, cache: list[torch.Tensor], k, v, slot_mapping) -> None:

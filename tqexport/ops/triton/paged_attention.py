@@ -19,15 +19,14 @@ import triton.language as tl
 
 from tqexport.kvquant.bits import FP8_FORMATS, fp8_decode
 from tqexport.kvquant.codecs import Codec, Fp8PerTensorCodec, TurboQuantCodec, UnquantizedCodec
-from tqexport.ops.triton.cache_write import (
+from tqexport.ops.triton.common import (
     TRITON_TYPES,
-    _fp32,
-    _hadamard_tile,
+    as_fp32,
+    hadamard_tile,
+    layout_constants,
     turboquant_inline_tables,
     turboquant_tables,
 )
-
-MODE_PLAIN, MODE_FP8, MODE_TQ = 0, 1, 2
 
 
 @triton.jit
@@ -141,7 +140,7 @@ def _attend(
     q = q.to(tl.float32)
     if MODE == 2:
         if not KEY_FP8:
-            rot = _hadamard_tile(rot_ptr, D, INLINE, INV_SQRT)
+            rot = hadamard_tile(rot_ptr, D, INLINE, INV_SQRT)
             q = tl.sum(q[:, :, None] * rot[None, :, :], axis=1)  # rotated query
 
     m = tl.full([G], float("-inf"), tl.float32)
@@ -228,18 +227,25 @@ def paged_attention_kernel(
     t = tl.program_id(0)
     split = tl.program_id(2)
     acc, m, l_sum = _attend(
-        t, tl.program_id(1), split, q_ptr, k_ptr, v_ptr, block_tables_ptr, qsl_ptr, pos_ptr,
-        rot_ptr, cent_ptr, fp8_ptr, num_seqs, max_blocks, k_scale, v_scale, sm_scale, softcap,
-        window, H, KVH, GROUPS, G, D, BS, MODE, NSPLIT, SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NC,
-        NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, False, False, 0.0, None, recent_window,
-        1 if RECENT else 0, NG,
+        t=t, kvh=tl.program_id(1), split=split, q_ptr=q_ptr, k_ptr=k_ptr, v_ptr=v_ptr,
+        block_tables_ptr=block_tables_ptr, qsl_ptr=qsl_ptr, pos_ptr=pos_ptr, rot_ptr=rot_ptr,
+        cent_ptr=cent_ptr, fp8_ptr=fp8_ptr, num_seqs=num_seqs, max_blocks=max_blocks,
+        k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale, softcap=softcap, window=window, H=H,
+        KVH=KVH, GROUPS=GROUPS, G=G, D=D, BS=BS, MODE=MODE, NSPLIT=NSPLIT, SLOT=SLOT,
+        KEY_BITS=KEY_BITS, VAL_BITS=VAL_BITS, KEY_FP8=KEY_FP8, NC=NC, NORM_OFF=NORM_OFF,
+        VAL_OFF=VAL_OFF, SCALE_OFF=SCALE_OFF, ZERO_OFF=ZERO_OFF, INLINE=False, E5M2=False,
+        INV_SQRT=0.0, CENT=None, recent_window=recent_window, PART=1 if RECENT else 0, NG=NG,
     )  # fmt: skip
     if RECENT:  # the recent window's keys, from the model-dtype cache, merged in
         acc2, m2, l2 = _attend(
-            t, tl.program_id(1), split, q_ptr, rk_ptr, rv_ptr, recent_tables_ptr, qsl_ptr,
-            pos_ptr, rot_ptr, cent_ptr, fp8_ptr, num_seqs, max_recent_blocks, 1.0, 1.0,
-            sm_scale, softcap, window, H, KVH, GROUPS, G, D, BS, 0, NSPLIT, 1, KEY_BITS,
-            VAL_BITS, False, False, 0, 0, 0, 0, False, False, 0.0, None, recent_window, 2, 1,
+            t=t, kvh=tl.program_id(1), split=split, q_ptr=q_ptr, k_ptr=rk_ptr, v_ptr=rv_ptr,
+            block_tables_ptr=recent_tables_ptr, qsl_ptr=qsl_ptr, pos_ptr=pos_ptr, rot_ptr=rot_ptr,
+            cent_ptr=cent_ptr, fp8_ptr=fp8_ptr, num_seqs=num_seqs, max_blocks=max_recent_blocks,
+            k_scale=1.0, v_scale=1.0, sm_scale=sm_scale, softcap=softcap, window=window, H=H,
+            KVH=KVH, GROUPS=GROUPS, G=G, D=D, BS=BS, MODE=0, NSPLIT=NSPLIT, SLOT=1,
+            KEY_BITS=KEY_BITS, VAL_BITS=VAL_BITS, KEY_FP8=False, NC=False, NORM_OFF=0, VAL_OFF=0,
+            SCALE_OFF=0, ZERO_OFF=0, INLINE=False, E5M2=False, INV_SQRT=0.0, CENT=None,
+            recent_window=recent_window, PART=2, NG=1,
         )  # fmt: skip
         acc, m, l_sum = _merge_states(acc, m, l_sum, acc2, m2, l2)
     gi = tl.arange(0, G)
@@ -270,18 +276,25 @@ def _attend_to_output(
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     acc, m, l_sum = _attend(
-        t, kvh, 0, q_ptr, k_ptr, v_ptr, block_tables_ptr, qsl_ptr, pos_ptr,
-        q_ptr, q_ptr, q_ptr, num_seqs, max_blocks, K_SCALE, V_SCALE, SM_SCALE, SOFTCAP,
-        WINDOW, H, KVH, GROUPS, G, D, BS, MODE, 1, SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NC,
-        NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, True, E5M2, INV_SQRT, CENT, RECENT_WINDOW,
-        1 if RECENT_WINDOW > 0 else 0, NG,
+        t=t, kvh=kvh, split=0, q_ptr=q_ptr, k_ptr=k_ptr, v_ptr=v_ptr,
+        block_tables_ptr=block_tables_ptr, qsl_ptr=qsl_ptr, pos_ptr=pos_ptr, rot_ptr=q_ptr,
+        cent_ptr=q_ptr, fp8_ptr=q_ptr, num_seqs=num_seqs, max_blocks=max_blocks, k_scale=K_SCALE,
+        v_scale=V_SCALE, sm_scale=SM_SCALE, softcap=SOFTCAP, window=WINDOW, H=H, KVH=KVH,
+        GROUPS=GROUPS, G=G, D=D, BS=BS, MODE=MODE, NSPLIT=1, SLOT=SLOT, KEY_BITS=KEY_BITS,
+        VAL_BITS=VAL_BITS, KEY_FP8=KEY_FP8, NC=NC, NORM_OFF=NORM_OFF, VAL_OFF=VAL_OFF,
+        SCALE_OFF=SCALE_OFF, ZERO_OFF=ZERO_OFF, INLINE=True, E5M2=E5M2, INV_SQRT=INV_SQRT,
+        CENT=CENT, recent_window=RECENT_WINDOW, PART=1 if RECENT_WINDOW > 0 else 0, NG=NG,
     )  # fmt: skip
     if RECENT_WINDOW > 0:
         acc2, m2, l2 = _attend(
-            t, kvh, 0, q_ptr, rk_ptr, rv_ptr, recent_tables_ptr, qsl_ptr, pos_ptr,
-            q_ptr, q_ptr, q_ptr, num_seqs, max_recent_blocks, 1.0, 1.0, SM_SCALE, SOFTCAP,
-            WINDOW, H, KVH, GROUPS, G, D, BS, 0, 1, 1, KEY_BITS, VAL_BITS, False, False,
-            0, 0, 0, 0, True, False, 0.0, None, RECENT_WINDOW, 2, 1,
+            t=t, kvh=kvh, split=0, q_ptr=q_ptr, k_ptr=rk_ptr, v_ptr=rv_ptr,
+            block_tables_ptr=recent_tables_ptr, qsl_ptr=qsl_ptr, pos_ptr=pos_ptr, rot_ptr=q_ptr,
+            cent_ptr=q_ptr, fp8_ptr=q_ptr, num_seqs=num_seqs, max_blocks=max_recent_blocks,
+            k_scale=1.0, v_scale=1.0, sm_scale=SM_SCALE, softcap=SOFTCAP, window=WINDOW, H=H,
+            KVH=KVH, GROUPS=GROUPS, G=G, D=D, BS=BS, MODE=0, NSPLIT=1, SLOT=1, KEY_BITS=KEY_BITS,
+            VAL_BITS=VAL_BITS, KEY_FP8=False, NC=False, NORM_OFF=0, VAL_OFF=0, SCALE_OFF=0,
+            ZERO_OFF=0, INLINE=True, E5M2=False, INV_SQRT=0.0, CENT=None,
+            recent_window=RECENT_WINDOW, PART=2, NG=1,
         )  # fmt: skip
         acc, m, l_sum = _merge_states(acc, m, l_sum, acc2, m2, l2)
     gi = tl.arange(0, G)
@@ -379,7 +392,7 @@ def kernel_variants(
              "*fp32", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*fp32")  # fmt: skip
     consts = dict(H=heads, KVH=kv_heads, GROUPS=heads // kv_heads,
                   G=triton.next_power_of_2(heads // kv_heads), D=codec.head_size, BS=block_size,
-                  NSPLIT=splits, **_layout_constants(codec), RECENT=recent)  # fmt: skip
+                  NSPLIT=splits, **layout_constants(codec), RECENT=recent)  # fmt: skip
     sig = {**dict(zip(_PTRS, types, strict=True)), **_SCALARS, **dict.fromkeys(consts, "constexpr")}
     merge_consts = dict(D=codec.head_size, NSPLIT=splits)
     merge_sig = {
@@ -390,33 +403,11 @@ def kernel_variants(
     return [(paged_attention_kernel, sig, consts), (merge_kernel, merge_sig, merge_consts)]
 
 
-def _layout_constants(codec: Codec) -> dict:
-    """MODE and the TurboQuant slot layout as kernel constexprs."""
-    kw = dict(MODE=MODE_PLAIN, SLOT=1, KEY_BITS=4, VAL_BITS=4, KEY_FP8=False, NC=False,
-              NORM_OFF=0, VAL_OFF=0, SCALE_OFF=0, ZERO_OFF=0, NG=1)  # fmt: skip
-    if isinstance(codec, TurboQuantCodec):
-        lay, p = codec.layout, codec.preset
-        kw.update(MODE=MODE_TQ, SLOT=lay.slot_size_aligned,
-                  KEY_BITS=p.key_bits if not p.key_fp8 else 4, VAL_BITS=p.value_bits,
-                  KEY_FP8=p.key_fp8, NC=p.norm_correction, NORM_OFF=lay.key_norm_offset or 0,
-                  VAL_OFF=lay.value_offset, SCALE_OFF=lay.value_scale_offset,
-                  ZERO_OFF=lay.value_zero_offset, NG=lay.value_groups)  # fmt: skip
-    elif isinstance(codec, Fp8PerTensorCodec):
-        kw.update(MODE=MODE_FP8)
-    return kw
-
-
 @lru_cache(maxsize=8)
 def _fp8_table(fmt_name: str, device: str) -> torch.Tensor:
     """fp8 byte -> float32 value, built once per format and device."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     return fp8_decode(codes, FP8_FORMATS[fmt_name]).to(device)
-
-
-def supports(codec: Codec) -> bool:
-    d = codec.head_size
-    ok = isinstance(codec, TurboQuantCodec | Fp8PerTensorCodec | UnquantizedCodec)
-    return ok and d & (d - 1) == 0
 
 
 def paged_attention(
@@ -432,7 +423,7 @@ def paged_attention(
     dev = q.device
     partial = torch.empty(tokens, heads, splits, d + 2, dtype=torch.float32, device=dev)
     dummy = torch.zeros(1, dtype=torch.float32, device=dev)
-    kw = _layout_constants(codec)
+    kw = layout_constants(codec)
     rot = cent = fp8 = dummy
     k_scale = v_scale = 1.0
     if isinstance(codec, TurboQuantCodec):
@@ -472,10 +463,10 @@ def trt_kernel_variant(
     """(kernel, signature, constexprs) of the TensorRT-order entry point for one layer."""
     x = "*" + TRITON_TYPES[model_dtype]
     groups = heads // kv_heads
-    layout = _layout_constants(codec)
+    layout = layout_constants(codec)
     consts = dict(H=heads, KVH=kv_heads, GROUPS=groups, G=triton.next_power_of_2(groups),
                   D=codec.head_size, BS=block_size, **layout, E5M2=False, K_SCALE=1.0,
-                  V_SCALE=1.0, SM_SCALE=_fp32(scale), SOFTCAP=_fp32(softcap or 0.0),
+                  V_SCALE=1.0, SM_SCALE=as_fp32(scale), SOFTCAP=as_fp32(softcap or 0.0),
                   WINDOW=int(window or 0), INV_SQRT=0.0, CENT=None,
                   RECENT_WINDOW=int(recent_window))  # fmt: skip
     steps = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
@@ -494,8 +485,8 @@ def trt_kernel_variant(
     else:
         cache_t = x if isinstance(codec, UnquantizedCodec) else "*u8"
         if isinstance(codec, Fp8PerTensorCodec):
-            consts.update(E5M2=codec.fmt is FP8_FORMATS["float8_e5m2"],
-                          K_SCALE=_fp32(codec.k_scale), V_SCALE=_fp32(codec.v_scale))  # fmt: skip
+            e5m2 = codec.fmt is FP8_FORMATS["float8_e5m2"]
+            consts.update(E5M2=e5m2, K_SCALE=as_fp32(codec.k_scale), V_SCALE=as_fp32(codec.v_scale))
         sig = {"q_ptr": x, "k_cache_ptr": cache_t, "v_cache_ptr": cache_t, **steps}
         kernel = trt_paged_attention_kernel
     return kernel, {**sig, **{k: "constexpr" for k in consts if k not in sig}}, consts
