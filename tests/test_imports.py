@@ -104,3 +104,17 @@ def test_the_walk_sees_imports_inside_functions():
     """The checker itself: a lazy import inside a function is an edge, and a cycle is found."""
     assert "tqexport.verify" in _graph()["tqexport.cli"]  # only ``parity`` imports it, lazily
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_the_hook_registers_the_torch_ops_it_calls():
+    """A fresh interpreter that only imports the hook can call torch.ops.tqexport.* (the torch
+    backend's inplace mode; nothing else may be relied on to register them)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, tqexport.models.hook\n"
+        "print(torch.ops.tqexport.cache_write, torch.ops.tqexport.paged_attention)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -15,6 +15,7 @@ import torch
 import transformers
 
 from tqexport.errors import TQExportError
+from tqexport.ops import library as _library  # noqa: F401  registers torch.ops.tqexport.*
 from tqexport.ops import reference
 from tqexport.ops.attributes import (
     CACHE_WRITE,
