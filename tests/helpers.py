@@ -7,9 +7,16 @@ import torch
 
 from tqexport.contract.caches import allocate_caches
 from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
+from tqexport.kvquant.modes import kv_cache_dtype_names
+from tqexport.kvquant.turboquant import vllm_twin
 from tqexport.models.paged import PagedCausalLM
 from tqexport.resolve import AttentionLayer, ModelDescription
 from tqexport.verify.parity import compare_write
+
+#: what the heavy per-dtype matrices run: every name but bfloat16 (ONNX Runtime's CPU provider
+#: has no bf16 MatMul) and the native twins of vLLM layouts, whose codec test_turboquant pins
+#: byte-identical to their twin's
+MATRIX_DTYPES = [d for d in kv_cache_dtype_names() if d != "bfloat16" and not vllm_twin(d)]
 
 
 def describe(windows, head_size=64, kv_heads=2, dtype="bfloat16", name="test-model"):

@@ -6,7 +6,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from helpers import describe
+from helpers import MATRIX_DTYPES, describe
 from onnx import helper
 
 from tqexport.export.functions import function_for
@@ -19,14 +19,13 @@ from tqexport.kvquant.codecs import (
     torch_dtype,
     triplet_codes,
 )
-from tqexport.kvquant.modes import kv_cache_dtype_names
 from tqexport.kvquant.packing import unpack_codes
 from tqexport.ops import reference
 from tqexport.ops.attributes import DOMAIN, PAGED_ATTENTION, node_attrs
 from tqexport.ops.library import codec_for
 from tqexport.resolve import resolve
 
-DTYPES = [d for d in kv_cache_dtype_names() if d != "bfloat16"]
+DTYPES = MATRIX_DTYPES
 ONNX_TYPES = {"float32": 1, "uint8": 2, "float16": 10, "int64": 7, "int32": 6}
 
 

@@ -228,6 +228,7 @@ def test_speed_measures_every_artifact_and_memory_from_the_spec(artifacts):
         (["quality", "smollm2", "--text-file", "/nonexistent.txt"], "not found"),
         (["quality", "smollm2", "--kv-scales", "x"], "--kv-scales must be a number or 'calibrate'"),
         (["quality", "smollm2", "--recent-window", "-8"], "--recent-window must be integers >= 0"),
+        (["quality", "smollm2", "--kv-key-transform", "none,centre"], "kinds joined by '+'"),
         (["quality", "tiny-llama", "--chunks", "1", "--no-peer"], "has no tokenizer"),
         (["speed", "smollm2", "--contexts", "1k"], "--contexts must be positive integers"),
         (["speed", "smollm2", "--budget", "lots"], "--budget: cannot read"),
@@ -253,3 +254,20 @@ def test_memory_goal_ignores_recent_window_rows():
     ]}  # fmt: skip
     goal = report.goals([], speed)[-1]
     assert goal["met"] is True and goal["detail"].startswith("largest relative gap 0.10%")
+
+
+def test_quality_configs_score_key_transforms_on_native_turboquant_only():
+    from tqexport.bench.matrix import quality_configs
+
+    dtypes = ["auto", "turboquant_4bit_nc", "tqx_k4v4"]
+    configs = quality_configs(dtypes, "off", None, "0,32", key_transforms="none,signs+center")
+    got = [(c.label, c.key_transform) for c in configs]
+    assert got == [
+        ("auto", "none"),
+        ("turboquant_4bit_nc no-boundary", "none"),
+        ("turboquant_4bit_nc no-boundary recent 32", "none"),
+        ("tqx_k4v4 no-boundary", "none"),
+        ("tqx_k4v4 no-boundary keys center+signs", "center+signs"),
+        ("tqx_k4v4 no-boundary recent 32", "none"),
+        ("tqx_k4v4 no-boundary recent 32 keys center+signs", "center+signs"),
+    ]

@@ -15,7 +15,11 @@ def test_dtypes_json_lists_every_name_with_bytes():
     r = run("dtypes", "--head-size", "128", "--json")
     assert r.returncode == 0, r.stderr
     rows = {x["name"]: x for x in json.loads(r.stdout)["dtypes"]}
-    assert len(rows) == 16  # 14 vLLM names + 2 tqexport-native presets
+    assert len(rows) == 18  # 14 vLLM names + 4 tqexport-native presets
+    assert (
+        rows["tqx_k4v4"]["bytes_per_token_head"]
+        == rows["turboquant_4bit_nc"]["bytes_per_token_head"]
+    )
     assert rows["turboquant_k3v4_nc"]["bytes_per_token_head"] == 118
     assert rows["turboquant_k3v4_nc"]["data_bits"] == "k3v4"
     assert rows["auto"]["compression_vs_bf16"] == 1.0

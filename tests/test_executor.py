@@ -7,11 +7,16 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import TWO_THREAD_DTYPES, assert_greedy, assert_same_generation, teacher_forced
+from helpers import (
+    MATRIX_DTYPES,
+    TWO_THREAD_DTYPES,
+    assert_greedy,
+    assert_same_generation,
+    teacher_forced,
+)
 
 from tqexport.contract.artifact import open_artifact
 from tqexport.contract.steps import SeqChunk, build_step
-from tqexport.kvquant.modes import kv_cache_dtype_names
 from tqexport.models.paged import PagedCausalLM
 from tqexport.runtime.backends.ort import OrtBackend
 from tqexport.runtime.executor import Executor
@@ -35,7 +40,7 @@ def reference_module(art):
     return module
 
 
-@pytest.mark.parametrize("dtype", [d for d in kv_cache_dtype_names() if d != "bfloat16"])
+@pytest.mark.parametrize("dtype", MATRIX_DTYPES)
 def test_greedy_ort_agrees_with_torch_reference(artifacts, dtype):
     """ORT (at 1 thread, and 2 for one dtype per codec path: two summation orders) and the
     torch backend generate what the reference predicts, and the same tokens up to a near tie."""

@@ -5,12 +5,11 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from helpers import describe
+from helpers import MATRIX_DTYPES, describe
 from onnx import helper
 
 from tqexport.export.functions import function_for
 from tqexport.kvquant.codecs import torch_dtype
-from tqexport.kvquant.modes import kv_cache_dtype_names
 from tqexport.ops import reference
 from tqexport.ops.attributes import CACHE_WRITE, DOMAIN, PAGED_ATTENTION, node_attrs
 from tqexport.ops.library import codec_for
@@ -55,7 +54,7 @@ def layer_for(dtype, window=None, heads=2, d=64):
     ).spec.layers[0]
 
 
-@pytest.mark.parametrize("dtype", [n for n in kv_cache_dtype_names() if n != "bfloat16"])
+@pytest.mark.parametrize("dtype", MATRIX_DTYPES)
 def test_cache_write_body_is_byte_exact(dtype):
     layer = layer_for(dtype)
     attrs = node_attrs(CACHE_WRITE, layer, num_heads=4)

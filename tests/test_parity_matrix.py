@@ -2,13 +2,12 @@
 dtype on a tiny Llama, a subset on other architectures and head sizes."""
 
 import pytest
-from helpers import TWO_THREAD_DTYPES
+from helpers import MATRIX_DTYPES, TWO_THREAD_DTYPES
 
 from tqexport.contract.artifact import open_artifact
-from tqexport.kvquant.modes import kv_cache_dtype_names
 from tqexport.verify.parity import run_parity
 
-MATRIX = [("tiny-llama", d, []) for d in kv_cache_dtype_names() if d != "bfloat16"] + [
+MATRIX = [("tiny-llama", d, []) for d in MATRIX_DTYPES] + [
     ("tiny-gemma2", "turboquant_4bit_nc", ["sw"]),
     ("tiny-gemma3", "fp8", []),
     ("tiny-mistral", "int8_per_token_head", []),

@@ -47,6 +47,8 @@ def test_presets():
         "turboquant_3bit_nc": (3, 3, True, 0, False),
         "tqx_k4v4_g32": (4, 4, True, 32, True),
         "tqx_k4v3_g32": (4, 3, True, 32, True),
+        "tqx_k4v4": (4, 4, True, 0, True),
+        "tqx_k3v3": (3, 3, True, 0, True),
     }
 
 
@@ -372,3 +374,29 @@ def test_centroid_index_of_nan_is_zero_and_inf_is_an_end():
     th = tq.thresholds(tq.centroids(64, 4))
     idx = tq.centroid_index(torch.tensor([NAN, INF, -INF, 0.0]), th)
     assert idx.tolist() == [0, 15, 0, 8]
+
+
+@pytest.mark.parametrize("twin,vllm", [("tqx_k4v4", "turboquant_4bit_nc"),
+                                       ("tqx_k3v3", "turboquant_3bit_nc")])  # fmt: skip
+def test_native_twins_store_their_vllm_layout_byte_for_byte(twin, vllm):
+    """A twin is the vLLM layout under a native name (so its keys may be transformed): same
+    slot offsets, same bytes for the same K/V, same decode; the per-dtype matrices skip twins."""
+    from tqexport.kvquant.codecs import codec_for
+
+    assert tq.vllm_twin(twin) == vllm and tq.vllm_twin(vllm) is None
+    assert tq.vllm_twin("tqx_k4v4_g32") is None
+    for d in (64, 128):
+        a, b = tq.slot_layout(twin, d), tq.slot_layout(vllm, d)
+        fields = ("key_code_bytes", "key_norm_offset", "value_offset", "value_code_bytes",
+                  "value_scale_offset", "value_zero_offset", "slot_size")  # fmt: skip
+        assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
+        g = torch.Generator().manual_seed(d)
+        k, v = torch.randn(9, 2, d, generator=g), torch.randn(9, 2, d, generator=g)
+        ours, theirs = (
+            codec_for(twin, d, "float32", 1.0, 1.0),
+            codec_for(vllm, d, "float32", 1.0, 1.0),
+        )
+        enc, ref = ours.encode(k, v), theirs.encode(k, v)
+        assert enc.keys() == ref.keys()
+        assert all(torch.equal(enc[n], ref[n]) for n in enc)
+        assert torch.equal(ours.decode_keys(enc["kv"]), theirs.decode_keys(ref["kv"]))

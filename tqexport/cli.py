@@ -26,6 +26,7 @@ from tqexport.options import (
     BlockSizeOption,
     BoundaryOption,
     EngineOptions,
+    KeyTransformOption,
     KvDtypeOption,
     MemoryOptions,
     RecentWindowOption,
@@ -98,6 +99,7 @@ def plan(
     boundary: BoundaryOption = True,
     block_size: BlockSizeOption = DEFAULT_BLOCK_SIZE,
     recent_window: RecentWindowOption = 0,
+    key_transform: KeyTransformOption = "none",
     dtype: Annotated[
         str | None, typer.Option(help="Model dtype (default: the config's, else float32).")
     ] = None,
@@ -114,15 +116,17 @@ def plan(
     ] = False,
 ):
     """Print the per-layer cache plan of MODEL from its config alone (no weights loaded)."""
+    from tqexport.kvquant.transforms import parse_key_transform
     from tqexport.models.config import describe_model
     from tqexport.resolve import resolve
 
     validate.block_size(block_size)
     validate.recent_window(recent_window)
+    kinds = parse_key_transform(key_transform)
     desc = describe_model(model, dtype)
     res = resolve(
         desc, kv_cache_dtype, skip_layers or [], boundary=boundary, block_size=block_size,
-        recent_window=recent_window,
+        recent_window=recent_window, key_transform=kinds,
     )  # fmt: skip
     for w in res.warnings:
         _warn(w)
@@ -153,10 +157,12 @@ def plan(
         "bytes/token",
         "group",
         "recent window",
+        *(["key transform"] if kinds else []),
         "why unquantized",
     ):
         t.add_column(col)
     for la in spec.layers:
+        keys = "+".join(kinds)
         t.add_row(
             str(la.index),
             la.attention_type.value,
@@ -167,6 +173,7 @@ def plan(
             str(la.cache.bytes_per_token),
             str(la.group),
             f"{la.recent_window} (group {la.recent_group})" if la.recent else "-",
+            *([f"{keys} (fitted at build)" if la.mode.is_quantized else "-"] if kinds else []),
             printable(la.skipped_by or ""),
         )
     console.print(t)
@@ -194,6 +201,7 @@ def build(
     boundary: BoundaryOption = True,
     block_size: BlockSizeOption = DEFAULT_BLOCK_SIZE,
     recent_window: RecentWindowOption = 0,
+    key_transform: KeyTransformOption = "none",
     dtype: Annotated[
         str | None,
         typer.Option(help="float32 | float16 | bfloat16 (bf16 is a GPU target). Default: float32."),
@@ -208,17 +216,22 @@ def build(
     ] = "1.0",
     calibration_text: Annotated[
         Path | None,
-        typer.Option(help="Text file for --kv-scales calibrate (default: pydoc topics)."),
+        typer.Option(
+            help="Text file for --kv-scales calibrate and --kv-key-transform (default: pydoc "
+            "topics)."
+        ),
     ] = None,
 ):
     """Export MODEL with per-layer KV caches: model.onnx + tqexport.json + tokenizer."""
     from tqexport.export.artifact import BuildOptions, build_artifact, parse_kv_scales
+    from tqexport.kvquant.transforms import parse_key_transform
 
     if not 21 <= opset <= 23:
         raise TQExportError(f"--opset must be 21..23 (fp8 casts need 21+), got {opset}")
     validate.block_size(block_size)
     validate.recent_window(recent_window)
     parse_kv_scales(kv_scales)
+    parse_key_transform(key_transform)
     if dtype is not None:
         validate.choice(dtype, "--dtype", ("float32", "float16", "bfloat16"))
     options = BuildOptions(
@@ -232,10 +245,11 @@ def build(
         force=force,
         kv_scales=kv_scales,
         calibration_text=calibration_text,
+        key_transform=key_transform,
     )
     labels = {
         "load": "loading weights",
-        "calibrate": "calibrating kv scales",
+        "calibrate": "calibrating",
         "export": "exporting ONNX",
         "save": "saving",
     }
@@ -373,6 +387,7 @@ def inspect(
         "group",
         "bytes/token",
         "recent window",
+        "key transform",
         "blocks",
         "bytes",
     ):
@@ -382,7 +397,7 @@ def inspect(
         t.add_row(
             str(r["index"]), r["attention_type"], str(r["window"] or "-"), r["kv_cache_dtype"],
             r["quant_mode"], str(r["group"]), str(r["bytes_per_token"]), recent,
-            str(r["blocks"]), fmt_bytes(r["bytes"]),
+            r["key_transform"] or "-", str(r["blocks"]), fmt_bytes(r["bytes"]),
         )  # fmt: skip
     console.print(t)
     for g in groups:

@@ -28,6 +28,14 @@ RecentWindowOption = Annotated[
         help="Also keep each quantized layer's last N tokens in the model dtype (0 = off).",
     ),
 ]
+KeyTransformOption = Annotated[
+    str,
+    typer.Option(
+        "--kv-key-transform",
+        help="Exact key transforms of tqx_* TurboQuant caches: none, or center, smooth, signs "
+        "joined by + (fitted on --calibration-text; default: held-out pydoc topics).",
+    ),
+]
 
 MemoryOptions = (
     Annotated[int | None, typer.Option(help="Cache blocks per layer (block 0 is the null block).")],

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from tqexport.errors import ResolveError, TQExportError
 from tqexport.kvquant.modes import parse_kv_cache_dtype
+from tqexport.kvquant.transforms import KeyTransform, key_transform_label, refusal
 from tqexport.skip_layers import parse_skip_patterns
 from tqexport.spec import (
     AttentionType,
@@ -109,11 +110,15 @@ def resolve(
     block_size: int = DEFAULT_BLOCK_SIZE,
     kv_scales: dict[int, tuple[float, float]] | None = None,
     recent_window: int = 0,
+    key_transform: tuple[str, ...] = (),
+    key_transforms: dict[int, KeyTransform] | None = None,
 ) -> Resolution:
     """Decide every layer's cache. ``boundary`` turns TurboQuant boundary protection on/off;
     ``kv_scales`` maps layer index -> (k_scale, v_scale) for fp8/nvfp4 layers (default 1.0);
     ``recent_window`` N > 0 also keeps the last N tokens of every quantized layer in the model
-    dtype (a sliding layer keeps at most its own window)."""
+    dtype (a sliding layer keeps at most its own window). ``key_transform`` names the kinds of
+    exact key transform every quantized layer takes (checked here); ``key_transforms`` holds
+    them per layer index once fitted (None: checked only, e.g. before weights load)."""
     entry = parse_kv_cache_dtype(kv_cache_dtype)
     if block_size <= 0:
         raise ResolveError(f"--block-size must be positive, got {block_size}")
@@ -155,6 +160,14 @@ def resolve(
     group_of = {ix: g.id for g in groups if not g.recent for ix in g.layers}
     recent_group_of = {ix: g.id for g in groups if g.recent for ix in g.layers}
     kv_scales = kv_scales or {}
+    for pos, la in enumerate(layers):
+        why = pos not in skipped and refusal(
+            key_transform, entry.native and entry.is_turboquant, la.softcap
+        )
+        if why:
+            raise ResolveError(
+                f"--kv-key-transform {key_transform_label(key_transform)}: layer {la.index}: {why}"
+            )
     specs = []
     for pos, la in enumerate(layers):
         dtype = UNQUANTIZED if pos in skipped else kv_cache_dtype
@@ -184,6 +197,7 @@ def resolve(
                 skipped_by=skipped.get(pos) if dtype != kv_cache_dtype else None,
                 recent=recent_spec(cache, recent[la.index]) if la.index in recent else None,
                 recent_group=recent_group_of.get(la.index),
+                key_transform=(key_transforms or {}).get(la.index) if pos not in skipped else None,
             )
         )
     spec = ModelSpec(
@@ -197,6 +211,7 @@ def resolve(
             "skip_layers": list(skip_layers),
             "boundary": boundary,
         }
-        | ({"recent_window": recent_window} if recent_window else {}),
+        | ({"recent_window": recent_window} if recent_window else {})
+        | ({"key_transform": key_transform_label(key_transform)} if key_transform else {}),
     )
     return Resolution(spec, tuple(warnings))

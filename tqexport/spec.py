@@ -18,8 +18,10 @@ from typing import Any
 
 from tqexport import __version__
 from tqexport.errors import TQExportError
+from tqexport.kvquant import transforms
 from tqexport.kvquant.codecs import MAX_HEAD_SIZE, MODEL_DTYPES, Codec, TensorFormat, codec_for
 from tqexport.kvquant.modes import KVQuantMode, parse_kv_cache_dtype
+from tqexport.kvquant.transforms import KeyTransform
 from tqexport.kvquant.turboquant import SlotLayout
 from tqexport.skip_layers import parse_skip_pattern, parse_skip_patterns
 from tqexport.validate import MAX_BLOCK_SIZE, MAX_RECENT_WINDOW
@@ -247,6 +249,8 @@ class LayerSpec:
     #: full-precision cache of the last ``recent.window`` tokens (the recent window), or None
     recent: KVCacheSpec | None = None
     recent_group: int | None = None
+    #: exact transform of every key this layer stores (and of its queries), or None
+    key_transform: KeyTransform | None = None
 
     @property
     def recent_window(self) -> int:
@@ -296,27 +300,35 @@ class LayerSpec:
 
     def to_dict(self) -> dict[str, Any]:
         c = self.cache
-        return {
-            "index": self.index,
-            "module": self.module,
-            "attention_type": self.attention_type.value,
-            "window": self.window,
-            "scale": self.scale,
-            "softcap": self.softcap,
-            "kv_cache_dtype": c.kv_cache_dtype,
-            "quant_mode": c.mode.name,
-            "storage_dtype": c.storage_dtype,
-            "model_dtype": c.model_dtype,
-            "num_kv_heads": c.num_kv_heads,
-            "head_size": c.head_size,
-            "block_size": c.block_size,
-            "bytes_per_token_head": c.bytes_per_token_head,
-            "page_size_bytes": c.page_size_bytes,
-            "group": self.group,
-            "skipped_by": self.skipped_by,
-            "tensors": [self._tensor_dict(role, t, b) for role, t, b in self.cache_tensors],
-            "constants": c.constants,
-        } | ({} if self.recent is None else {"recent": self._recent_dict()})
+        return (
+            {
+                "index": self.index,
+                "module": self.module,
+                "attention_type": self.attention_type.value,
+                "window": self.window,
+                "scale": self.scale,
+                "softcap": self.softcap,
+                "kv_cache_dtype": c.kv_cache_dtype,
+                "quant_mode": c.mode.name,
+                "storage_dtype": c.storage_dtype,
+                "model_dtype": c.model_dtype,
+                "num_kv_heads": c.num_kv_heads,
+                "head_size": c.head_size,
+                "block_size": c.block_size,
+                "bytes_per_token_head": c.bytes_per_token_head,
+                "page_size_bytes": c.page_size_bytes,
+                "group": self.group,
+                "skipped_by": self.skipped_by,
+                "tensors": [self._tensor_dict(role, t, b) for role, t, b in self.cache_tensors],
+                "constants": c.constants,
+            }
+            | ({} if self.recent is None else {"recent": self._recent_dict()})
+            | (
+                {}
+                if self.key_transform is None
+                else {"key_transform": self.key_transform.to_dict()}
+            )
+        )
 
     def _tensor_dict(self, role: str, t: TensorFormat, b: CacheBinding) -> dict[str, Any]:
         return {
@@ -347,7 +359,7 @@ class LayerSpec:
             position = index if _is_int(index) and 0 <= index < MAX_LAYERS else None
         where = f"layer {'?' if position is None else position}"
         d = _obj(d, where)
-        _known_keys(d, _LAYER_KEYS, ("recent",), where)
+        _known_keys(d, _LAYER_KEYS, ("recent", "key_transform"), where)
         index = _int(d, "index", 0, MAX_LAYERS - 1, where)
         if position is not None and index != position:
             raise SpecError(
@@ -388,6 +400,7 @@ class LayerSpec:
                 skipped_by=_skipped_by(d, where),
                 recent=None if recent is None else recent_spec(cache, recent_window),
                 recent_group=None if recent is None else recent_group,
+                key_transform=_key_transform(d, cache, where),
             )
         except SpecError as e:
             if str(e).startswith(where):
@@ -405,6 +418,13 @@ class LayerSpec:
                 f"{where}: an unquantized layer ({_show(kv_cache_dtype)}) has no recent-window "
                 f"cache{REBUILD}"
             )
+        why = transforms.refusal(
+            layer.key_transform.kinds if layer.key_transform else (),
+            parse_kv_cache_dtype(kv_cache_dtype).native and layer.mode.is_turboquant,
+            layer.softcap,
+        )
+        if why is not None:
+            raise SpecError(f"{where}: field 'key_transform': {why}{REBUILD}")
         if window is not None and layer.recent_window > window:
             raise SpecError(
                 f"{where}: recent window {layer.recent_window} exceeds the layer's sliding "
@@ -1093,8 +1113,18 @@ def _model(value: Any, num_layers: int) -> dict[str, Any]:
 def _request(value: Any) -> dict[str, Any]:
     """What the build was asked for (provenance; ``bench`` and ``quality`` read it back)."""
     r = _obj(value, "spec: field 'request'")
-    keys = ("kv_cache_dtype", "skip_layers", "boundary", "recent_window", "kv_scales", "opset")
+    keys = (
+        "kv_cache_dtype", "skip_layers", "boundary", "recent_window", "kv_scales", "opset",
+        "key_transform",
+    )  # fmt: skip
     _known_keys(r, (), keys, "request")
+    if "key_transform" in r:
+        try:
+            transforms.parse_key_transform(_str(r, "key_transform", "request", max_len=64))
+        except SpecError:
+            raise
+        except TQExportError as e:
+            raise SpecError(f"request: {e}{REBUILD}") from None
     if "kv_cache_dtype" in r:
         try:
             parse_kv_cache_dtype(_str(r, "kv_cache_dtype", "request", max_len=64))
@@ -1132,6 +1162,23 @@ def _request(value: Any) -> dict[str, Any]:
     if "opset" in r:
         _int(r, "opset", 1, MAX_OPSET, "request")
     return r
+
+
+def _key_transform(d: dict[str, Any], cache: KVCacheSpec, where: str) -> KeyTransform | None:
+    """The layer's stored key transform (None when absent); its values are compared with the
+    re-derived form afterwards, like every other field."""
+    if "key_transform" not in d:
+        return None
+    kt = _obj(d["key_transform"], f"{where}: field 'key_transform'")
+    _known_keys(kt, ("version", "kinds", "seed", "center", "scale"), (), f"{where} key_transform")
+    try:
+        return transforms.from_dict(kt, cache.num_kv_heads, cache.head_size)
+    except TQExportError as e:
+        raise SpecError(f"{where}: field 'key_transform': {e}{REBUILD}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise SpecError(
+            f"{where}: field 'key_transform' must hold lists of numbers{REBUILD}"
+        ) from None
 
 
 def _skipped_by(d: dict[str, Any], where: str) -> str | None:

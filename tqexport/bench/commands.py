@@ -57,6 +57,14 @@ def bench_quality(
     kv_scales: Annotated[
         str, typer.Option(help="fp8/nvfp4 per-layer scales: a number, or calibrate (as build).")
     ] = "1.0",
+    key_transform: Annotated[
+        str,
+        typer.Option(
+            "--kv-key-transform",
+            help="Key transforms to score on tqx_* TurboQuant dtypes, comma-separated, each "
+            "none or kinds joined by + (e.g. none,center,center+smooth+signs).",
+        ),
+    ] = "none",
     chunk: Annotated[int, typer.Option(help="Tokens per evaluation window.")] = 1024,
     chunks: Annotated[int, typer.Option(help="Windows scored (from the text's start).")] = 4,
     text_file: Annotated[
@@ -73,7 +81,7 @@ def bench_quality(
     if text_file is not None and not text_file.is_file():
         raise TQExportError(f"--text-file {text_file} not found")
     configs = matrix.quality_configs(
-        kv_cache_dtype, boundary, skip_layers, recent_window, kv_scales
+        kv_cache_dtype, boundary, skip_layers, recent_window, kv_scales, key_transform
     )
     ours, peer_result, note = _quality(target, configs, text_file, chunk, chunks, peer)
     rows = with_deltas(ours, peer_result)

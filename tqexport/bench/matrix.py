@@ -48,12 +48,15 @@ def quality_configs(
     skip_layers: list[str] | None,
     recent: str = "0",
     kv_scales: str = "1.0",
+    key_transforms: str = "none",
 ):
     """The configurations a quality run scores: every dtype, TurboQuant ones with boundary
-    protection on/off as asked, quantized ones at every recent window."""
+    protection on/off as asked, quantized ones at every recent window, native TurboQuant ones
+    with every key transform in the comma-separated ``key_transforms``."""
     from tqexport.bench.quality import Config
     from tqexport.export.artifact import parse_kv_scales
     from tqexport.kvquant.modes import parse_kv_cache_dtype
+    from tqexport.kvquant.transforms import key_transform_label, parse_key_transform
 
     if boundary not in ("on", "off", "both"):
         raise TQExportError(f"--boundary must be on, off or both, got {boundary!r}")
@@ -63,11 +66,18 @@ def quality_configs(
         parse_kv_cache_dtype(n)
     skip = tuple(split(skip_layers))
     windows = ints(recent, "recent-window", minimum=0, maximum=validate.MAX_RECENT_WINDOW)
+    transforms = [key_transform_label(parse_key_transform(t)) for t in split([key_transforms])]
     configs = []
     for n in names:
+        entry = parse_kv_cache_dtype(n)
         flags = {"on": [True], "off": [False], "both": [True, False]}[boundary]
-        for b in flags if parse_kv_cache_dtype(n).is_turboquant else [True]:
-            configs += [Config(n, b, skip, w, kv_scales) for w in (windows if n != "auto" else [0])]
+        keys = transforms if entry.native and entry.is_turboquant else ["none"]
+        for b in flags if entry.is_turboquant else [True]:
+            configs += [
+                Config(n, b, skip, w, kv_scales, t)
+                for w in (windows if n != "auto" else [0])
+                for t in keys
+            ]
     return configs
 
 

@@ -34,6 +34,7 @@ class Config:
     skip_layers: tuple[str, ...] = ()
     recent_window: int = 0
     kv_scales: str = "1.0"  # fp8/nvfp4 per-layer scales: a number, or "calibrate"
+    key_transform: str = "none"  # exact key transforms (kvquant.transforms), kinds joined by +
 
     @property
     def label(self) -> str:
@@ -45,6 +46,7 @@ class Config:
         extra += [f"skip {','.join(self.skip_layers)}"] if self.skip_layers else []
         extra += [f"recent {self.recent_window}"] if self.recent_window else []
         extra += [f"scales {self.kv_scales}"] if self.kv_scales != "1.0" else []
+        extra += [f"keys {self.key_transform}"] if self.key_transform != "none" else []
         return " ".join([self.kv_cache_dtype, *extra])
 
 
@@ -90,6 +92,7 @@ class Run:
             "boundary": self.spec.request.get("boundary", True),
             "skip_layers": list(self.spec.request.get("skip_layers", [])),
             "recent_window": self.spec.recent_window,
+            "key_transform": self.spec.request.get("key_transform", "none"),
             "layer_dtypes": [la.kv_cache_dtype for la in self.spec.layers],
             "quantized_dtypes": quantized,
             "bits_per_element": bits_per_element(self.spec, 16),
@@ -100,10 +103,17 @@ class Run:
         }
 
 
+#: tokens per prefill step while scoring: a long window is prefilled in steps of this many
+#: (chunked prefill reads the cache it wrote, so the scores are the same to rounding; one
+#: 4096-token step would hold a 4096 x 4096 score matrix per head)
+SCORE_STEP_TOKENS = 512
+
+
 def _executor(spec: ModelSpec, backend: str, chunk: int, artifact_dir=None, lm=None):
     blocks = -(-chunk // spec.block_size) + 1
     art = Artifact(Path(artifact_dir) if artifact_dir else Path("."), spec)
-    return Executor(art, backend, num_blocks=blocks, max_num_batched_tokens=chunk, source_model=lm)
+    step = min(chunk, SCORE_STEP_TOKENS)
+    return Executor(art, backend, num_blocks=blocks, max_num_batched_tokens=step, source_model=lm)
 
 
 def _source_model(spec_or_model):
@@ -152,7 +162,7 @@ def evaluate(
             continue  # the baseline itself
         opts = BuildOptions(
             c.kv_cache_dtype, list(c.skip_layers), c.boundary, recent_window=c.recent_window,
-            kv_scales=c.kv_scales,
+            kv_scales=c.kv_scales, key_transform=c.key_transform,
         )  # fmt: skip
         spec, _ = resolve_spec(model_name, lm, opts)
         runs.append(Run(c, spec, _executor(spec, "torch", chunk, lm=lm), "torch"))

@@ -9,6 +9,8 @@ build leaves nothing behind (see :mod:`tqexport.export.outdir` for what ``--forc
 
 from __future__ import annotations
 
+import hashlib
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,7 @@ from tqexport.contract.files import MODEL_FILE, SPEC_FILE, WEIGHTS_FILE
 from tqexport.errors import TQExportError
 from tqexport.export.onnx import DEFAULT_OPSET, export_model
 from tqexport.export.outdir import Staging, check_target, remove_stale_staging
+from tqexport.kvquant import transforms
 from tqexport.models.config import describe_model
 from tqexport.models.loader import LoadedModel, load_model
 from tqexport.resolve import resolve
@@ -42,6 +45,7 @@ class BuildOptions:
     force: bool = False
     kv_scales: str = "1.0"  # a number, or "calibrate"
     calibration_text: Path | None = None
+    key_transform: str = transforms.NONE  # kinds joined by "+", see kvquant.transforms
 
 
 @dataclass
@@ -74,29 +78,95 @@ def default_calibration_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics)[:8])
 
 
-def calibrate_scales(lm: LoadedModel, spec: ModelSpec, text: str, max_tokens: int = 512):
-    """Per-layer (k_scale, v_scale) from one prefill of ``text``, vLLM's rule (max|x| / range)."""
+def held_out_calibration_text(min_chars: int = 24000) -> str:
+    """English text for key-transform calibration: pydoc topics from the END of the sorted
+    keys (at least ``min_chars``), so it shares nothing with the start of the evaluation text
+    that ``bench quality`` scores."""
+    from pydoc_data.topics import topics
+
+    picked: list[str] = []
+    for key in reversed(sorted(topics)):
+        picked.insert(0, topics[key])
+        if sum(map(len, picked)) >= min_chars:
+            break
+    return "\n\n".join(picked)
+
+
+def _tokens(lm: LoadedModel, spec: ModelSpec, text: str, max_tokens: int) -> list[int]:
+    if lm.tokenizer is not None:
+        return lm.tokenizer(text)["input_ids"][:max_tokens]
+    vocab = int(spec.model.get("vocab_size") or 256)
+    return [b % vocab for b in text.encode()[:max_tokens]]
+
+
+def _prefill(lm: LoadedModel, spec: ModelSpec, tokens: list[int], **observers) -> None:
+    """One functional prefill of ``tokens`` from an empty cache, for the observers' sake."""
     from tqexport.contract.caches import allocate_caches
     from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
     from tqexport.models.paged import PagedCausalLM
-
-    if lm.tokenizer is not None:
-        tokens = lm.tokenizer(text)["input_ids"][:max_tokens]
-    else:
-        vocab = int(spec.model.get("vocab_size") or 256)
-        tokens = [b % vocab for b in text.encode()[:max_tokens]]
-    amax: dict[int, list[float]] = {}
-
-    def observe(layer, k, v):
-        amax[layer.index] = [float(k.abs().max()), float(v.abs().max())]
 
     blocks = -(-len(tokens) // spec.block_size)
     caches = allocate_caches(spec, blocks + 1)
     tables = [list(range(1, blocks + 1)) for _ in spec.groups]
     step = build_step(spec, [SeqChunk(tokens, 0, tables, "last")])
-    module = PagedCausalLM(lm.model, spec, mode="functional", observer=observe)
+    module = PagedCausalLM(lm.model, spec, mode="functional", **observers)
     with torch.no_grad():
         module(*ordered_inputs(spec, step, caches))
+
+
+#: per model (weakly held: a freed model's id may be reused), per (text, tokens, window)
+_KEY_STATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def key_statistics(
+    lm: LoadedModel, text: str, max_tokens: int = 4096, window: int = 2048
+) -> dict[int, transforms.KeyStats]:
+    """Per-layer key/query statistics of the UNQUANTIZED model over ``text`` (prefills of
+    ``window`` tokens from an empty cache), so they depend on the model and text alone; kept
+    for the process (a bench scores several transforms of one model)."""
+    key = (hashlib.sha256(text.encode()).hexdigest(), max_tokens, window)
+    cached = _KEY_STATS.setdefault(lm.model, {})
+    if key not in cached:
+        plain = resolve(lm.description, "auto").spec
+        tokens = _tokens(lm, plain, text, max_tokens)
+        stats: dict[int, transforms.KeyStats] = {}
+
+        def observe(layer, q, k, positions):
+            stats.setdefault(layer.index, transforms.KeyStats()).add(q, k, positions)
+
+        for at in range(0, len(tokens), window):
+            _prefill(lm, plain, tokens[at : at + window], key_observer=observe)
+        cached[key] = stats
+    return cached[key]
+
+
+def calibrate_key_transforms(
+    lm: LoadedModel, text: str, kinds: tuple[str, ...]
+) -> dict[int, transforms.KeyTransform]:
+    """Every layer's fitted key transform (``signs`` alone needs no text); resolve attaches
+    them to the layers it quantizes."""
+    calibrated = "center" in kinds or "smooth" in kinds
+    stats = key_statistics(lm, text) if calibrated else {}
+    return {
+        la.index: transforms.fit(
+            kinds,
+            stats.get(la.index),
+            la.index,
+            num_kv_heads=la.num_kv_heads,
+            head_size=la.head_size,
+        )
+        for la in lm.description.layers
+    }
+
+
+def calibrate_scales(lm: LoadedModel, spec: ModelSpec, text: str, max_tokens: int = 512):
+    """Per-layer (k_scale, v_scale) from one prefill of ``text``, vLLM's rule (max|x| / range)."""
+    amax: dict[int, list[float]] = {}
+
+    def observe(layer, k, v):
+        amax[layer.index] = [float(k.abs().max()), float(v.abs().max())]
+
+    _prefill(lm, spec, _tokens(lm, spec, text, max_tokens), observer=observe)
     return {
         i: (max(k / K_SCALE_RANGE, 1e-8), max(v / V_SCALE_RANGE, 1e-8))
         for i, (k, v) in amax.items()
@@ -123,6 +193,7 @@ def check_options(model: str, options: BuildOptions):
         boundary=options.boundary,
         block_size=options.block_size,
         recent_window=options.recent_window,
+        key_transform=transforms.parse_key_transform(options.key_transform),
     )
 
 
@@ -134,25 +205,32 @@ def resolve_spec(
 ) -> tuple[ModelSpec, list[str]]:
     """The artifact's spec for a loaded model (kv scales calibrated when asked) and warnings."""
     fixed_scale = parse_kv_scales(options.kv_scales)
+    kinds = transforms.parse_key_transform(options.key_transform)
     kw = dict(
         boundary=options.boundary,
         block_size=options.block_size,
         recent_window=options.recent_window,
+        key_transform=kinds,
     )
-    scales = None
+    own_text = options.calibration_text.read_text() if options.calibration_text else None
+    plain = resolve(lm.description, options.kv_cache_dtype, options.skip_layers, **kw)
+    scales = fitted = None
     if fixed_scale is None:
         progress("calibrate")
-        text = (
-            options.calibration_text.read_text()
-            if options.calibration_text
-            else default_calibration_text()
-        )
-        plain = resolve(lm.description, options.kv_cache_dtype, options.skip_layers, **kw)
-        scales = calibrate_scales(lm, plain.spec, text)
+        scales = calibrate_scales(lm, plain.spec, own_text or default_calibration_text())
     elif fixed_scale != 1.0:
         scales = {la.index: (fixed_scale, fixed_scale) for la in lm.description.layers}
+    if kinds:
+        progress("calibrate")
+        text = own_text or held_out_calibration_text()
+        fitted = calibrate_key_transforms(lm, text, kinds)
     resolved = resolve(
-        lm.description, options.kv_cache_dtype, options.skip_layers, kv_scales=scales, **kw
+        lm.description,
+        options.kv_cache_dtype,
+        options.skip_layers,
+        kv_scales=scales,
+        key_transforms=fitted,
+        **kw,
     )
     spec = resolved.spec
     spec = ModelSpec(

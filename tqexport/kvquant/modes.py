@@ -164,6 +164,20 @@ KV_CACHE_DTYPES: dict[str, KVCacheDType] = {
             "tqexport-native TurboQuant: 4-bit keys (norm-corrected), 3-bit values, scale+zero "
             "per 32 values",
         ),
+        _entry(
+            "tqx_k4v4",
+            _M.TURBOQUANT,
+            "slot",
+            None,
+            "tqexport-native TurboQuant: turboquant_4bit_nc's slot layout, keys may be transformed",
+        ),
+        _entry(
+            "tqx_k3v3",
+            _M.TURBOQUANT,
+            "slot",
+            None,
+            "tqexport-native TurboQuant: turboquant_3bit_nc's slot layout, keys may be transformed",
+        ),
     )
 }
 

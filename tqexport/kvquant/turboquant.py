@@ -55,6 +55,20 @@ class TurboQuantPreset:
         return not self.name.startswith("turboquant_")
 
     @property
+    def vllm_twin(self) -> str | None:
+        """The vLLM preset whose slot layout this native one shares byte for byte (None for
+        vLLM presets and native layouts of their own). A twin exists so that keys may be
+        transformed (:mod:`tqexport.kvquant.transforms`) without claiming to be vLLM's cache."""
+        if not self.native or self.value_group:
+            return None
+        bits = (self.key_bits, self.value_bits, self.norm_correction)
+        return next(
+            (p.name for p in PRESETS.values() if not p.native
+             and (p.key_bits, p.value_bits, p.norm_correction) == bits),
+            None,
+        )  # fmt: skip
+
+    @property
     def key_fp8(self) -> bool:
         return self.key_bits == 8
 
@@ -73,6 +87,9 @@ PRESETS: dict[str, TurboQuantPreset] = {
         # tqexport-native: finer value groups, and 4-bit keys with 3-bit grouped values
         TurboQuantPreset("tqx_k4v4_g32", 4, 4, True, value_group=32),
         TurboQuantPreset("tqx_k4v3_g32", 4, 3, True, value_group=32),
+        # tqexport-native twins of vLLM layouts, for transformed keys
+        TurboQuantPreset("tqx_k4v4", 4, 4, True),
+        TurboQuantPreset("tqx_k3v3", 3, 3, True),
     )
 }
 
@@ -83,6 +100,12 @@ def preset(name: str) -> TurboQuantPreset:
     except KeyError:
         valid = ", ".join(PRESETS)
         raise TQExportError(f"unknown TurboQuant preset {name!r}; valid: {valid}") from None
+
+
+def vllm_twin(kv_cache_dtype: str) -> str | None:
+    """The vLLM dtype whose slot layout a native twin shares (None for any other name)."""
+    p = PRESETS.get(kv_cache_dtype)
+    return None if p is None else p.vllm_twin
 
 
 def check_head_size(p: TurboQuantPreset, head_size: int) -> None:

@@ -70,6 +70,8 @@ class StepContext:
     caches: dict[int, list[torch.Tensor]]
     mode: str = "inplace"
     observer: object | None = None  # called as observer(layer, k, v) before each write
+    #: called as key_observer(layer, q, k, positions) with the untransformed query and key
+    key_observer: object | None = None
     new_caches: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     hits: dict[int, int] = field(default_factory=dict)
 
@@ -132,6 +134,10 @@ def tqexport_attention(module, query, key, value, attention_mask, **kwargs):
     c = layer.cache
     if ctx.observer is not None:
         ctx.observer(layer, k, v)
+    if ctx.key_observer is not None:
+        ctx.key_observer(layer, q, k, step.positions)
+    if layer.key_transform is not None:  # before every write: both segments shift alike
+        q, k = layer.key_transform.apply(q, k)
     if ctx.mode == "export":
         out, written = _emit_nodes(ctx, layer, q, k, v, caches, slots, tables)
     elif ctx.mode == "inplace":

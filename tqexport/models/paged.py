@@ -18,13 +18,19 @@ FIXED_INPUTS = ("input_ids", "positions", "seq_lens", "query_start_loc", "logits
 
 class PagedCausalLM(torch.nn.Module):
     def __init__(
-        self, hf_model: torch.nn.Module, spec: ModelSpec, mode: str = "functional", observer=None
+        self,
+        hf_model: torch.nn.Module,
+        spec: ModelSpec,
+        mode: str = "functional",
+        observer=None,
+        key_observer=None,
     ):
         super().__init__()
         self.model = hf_model
         self.spec = spec
         self.mode = mode
         self.observer = observer
+        self.key_observer = key_observer
         self.num_heads = int(spec.model["num_heads"])
         hf_model.config._attn_implementation = ATTENTION_NAME
         for sub in hf_model.modules():
@@ -54,7 +60,13 @@ class PagedCausalLM(torch.nn.Module):
     def forward(self, *inputs):
         fixed, step, caches = self.split_inputs(inputs)
         ctx = StepContext(
-            self.spec, self.num_heads, step, caches, mode=self.mode, observer=self.observer
+            self.spec,
+            self.num_heads,
+            step,
+            caches,
+            mode=self.mode,
+            observer=self.observer,
+            key_observer=self.key_observer,
         )
         out = self.model(
             input_ids=fixed["input_ids"].unsqueeze(0),

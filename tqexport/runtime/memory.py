@@ -115,6 +115,7 @@ def allocation(spec: ModelSpec, per_group: list[int]) -> dict:
             "bytes_per_token": la.cache.bytes_per_token,
             "recent_window": la.recent_window,
             "recent_group": la.recent_group,
+            "key_transform": "+".join(la.key_transform.kinds) if la.key_transform else None,
             "blocks": per_group[la.group],
             "bytes": sum(per_group[b.group] * b.cache.page_size_bytes for b in la.bindings),
         }
