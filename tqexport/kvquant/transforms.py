@@ -120,7 +120,8 @@ class KeyTransform:
             raise TQExportError("key transform scale holds a zero")
 
     def arrays(self) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """(center, 1/scale ... as [kvh, D] float32) with the inverse computed once."""
+        """(center, scale) as [kvh, D] float32 arrays (None where absent); the inverse scale
+        the query takes is computed once with them."""
         if not self._arrays:
             shape = (self.num_kv_heads, self.head_size)
             c = None if self.center is None else np.asarray(self.center, np.float32).reshape(shape)
