@@ -71,6 +71,23 @@ def prefill_chunks(lm, spec, tokens, chunk, num_blocks=12) -> Run:
     return Run(torch.cat(out), caches, kv, spec.block_size + torch.arange(len(tokens)))
 
 
+def serve_on_torch(lm, spec, prompt, max_tokens=40):
+    """Generate from ``prompt`` through the block manager (a torch executor of ``spec`` over
+    the loaded ``lm``: 16 blocks, 2 sequences, 16-token steps): (executor, sequence)."""
+    from tqexport.contract.artifact import Artifact
+    from tqexport.runtime.executor import Executor
+    from tqexport.runtime.sequence import SamplingParams
+    from tqexport.spec import ModelSpec
+
+    spec = ModelSpec(model={**spec.model, "path": spec.model["name"]}, dtype=spec.dtype,
+                     block_size=spec.block_size, layers=spec.layers, groups=spec.groups,
+                     request=spec.request, io=spec.graph_io())  # fmt: skip
+    ex = Executor(Artifact(None, spec), "torch", num_blocks=16, max_num_seqs=2,
+                  max_num_batched_tokens=16, source_model=lm)  # fmt: skip
+    params = SamplingParams(max_tokens=max_tokens, ignore_stop=True)
+    return ex, ex.generate([prompt], params)[0]
+
+
 def first_cache_difference(spec, a: Run, b: Run) -> tuple[int, bool, list[str]] | None:
     """The first layer whose quantized bytes differ between two runs of the same tokens, whether
     both runs' bytes there are what the reference writes for b's k/v but at rounding thresholds

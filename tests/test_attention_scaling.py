@@ -31,7 +31,7 @@ ONNX_TYPES = {"float32": 1, "uint8": 2, "float16": 10, "int64": 7, "int32": 6}
 
 def naive_attention(codec, q, cache, tables, seq_lens, qsl, positions, *, scale,
                     softcap=None, window=None, recent_cache=None, recent_tables=None,
-                    recent_window=0):  # fmt: skip
+                    recent_window=0, sink_tokens=0):  # fmt: skip
     """The op's contract, one query and one key at a time (float64), from decoded K/V."""
     bs, kvh = cache[0].shape[1], cache[0].shape[2]
     keys, values = codec.decode({f.role: t for f, t in zip(codec.tensors, cache)})
@@ -48,7 +48,7 @@ def naive_attention(codec, q, cache, tables, seq_lens, qsl, positions, *, scale,
                 for j in range(int(seq_lens[s])):
                     if j > p or (window and j <= p - window):
                         continue
-                    recent = recent_window and j > p - recent_window
+                    recent = recent_window and (j > p - recent_window or j < sink_tokens)
                     table = recent_tables if recent else tables
                     if j // bs >= table.shape[1] or int(table[s, j // bs]) == 0:
                         continue
@@ -85,26 +85,30 @@ def mixed_step(g, heads=4, d=64):
     return q, tables, recent_tables, seq_lens, qsl, positions
 
 
-CASES = [(None, None, 0), (5, None, 0), (None, 20.0, 0), (None, None, 6), (7, None, 6)]
+CASES = [(None, None, 0, 0), (5, None, 0, 0), (None, 20.0, 0, 0), (None, None, 6, 0),
+         (7, None, 6, 0), (None, None, 6, 3), (7, 20.0, 2, 5)]  # fmt: skip
 
 
-@pytest.mark.parametrize("window,softcap,recent", CASES)
+@pytest.mark.parametrize("window,softcap,recent,sink", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_reference_matches_the_per_query_definition(dtype, window, softcap, recent):
+def test_reference_matches_the_per_query_definition(dtype, window, softcap, recent, sink):
     g = torch.Generator().manual_seed(0)
     codec = make_codec(dtype, 64, model_dtype="float32")
     cache = filled_cache(codec, 10, 4, 2, 64, g)
     plain = make_codec("auto", 64, model_dtype="float32")
     recent_cache = filled_cache(plain, 10, 4, 2, 64, g) if recent else None
     q, tables, r_tables, seq_lens, qsl, positions = mixed_step(g)
+    sink_blocks = -(-sink // 4)
+    r_tables[1, :sink_blocks] = torch.tensor([8, 9], dtype=torch.int32)[:sink_blocks]  # kept
     kw = dict(scale=0.125, softcap=softcap, window=window)
     got = reference.paged_attention(
         codec, q, cache, tables, seq_lens, qsl, positions, **kw, recent_cache=recent_cache,
         recent_block_tables=r_tables if recent else None, recent_window=recent,
+        sink_tokens=sink,
     )  # fmt: skip
     want = naive_attention(codec, q, cache, tables, seq_lens, qsl, positions, **kw,
                            recent_cache=recent_cache, recent_tables=r_tables,
-                           recent_window=recent)  # fmt: skip
+                           recent_window=recent, sink_tokens=sink)  # fmt: skip
     torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
     assert torch.equal(got[8:], torch.zeros_like(got[8:]))  # padding tokens
 

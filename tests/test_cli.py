@@ -45,6 +45,17 @@ def test_plan_json_is_the_per_layer_spec():
     assert [g["window"] for g in plan["groups"]] == [None, 8]
 
 
+def test_plan_shows_sink_tokens_with_the_recent_window_and_refuses_them_alone(capsys):
+    code, out, err = main_inproc(capsys, "plan", "tiny-llama", "--kv-cache-dtype", "fp8",
+                                 "--kv-recent-window", "8", "--kv-sink-tokens", "4")  # fmt: skip
+    assert code == 0, err
+    assert "8 + first 4 (group 1)" in out
+    code, out, err = main_inproc(capsys, "plan", "tiny-llama", "--kv-cache-dtype", "fp8",
+                                 "--kv-sink-tokens", "4")  # fmt: skip
+    assert code == 2 and out == ""
+    one_error_line(err, "--kv-sink-tokens 4 needs --kv-recent-window >= 1")
+
+
 def test_plan_table_for_real_gguf_model():
     r = run(
         "plan", "smollm2", "--kv-cache-dtype", "turboquant_4bit_nc", "--skip-layers", "boundary:3"
@@ -231,6 +242,11 @@ NOWHERE = "no/such/artifact"
         (["plan", "tiny-llama", "--block-size", "24"], "--block-size must be a power of two"),
         (["plan", "tiny-llama", "--block-size", "512"], "from 1 to 256"),
         (["plan", "tiny-llama", "--kv-recent-window", "-1"], "--kv-recent-window must be from 0"),
+        (["plan", "tiny-llama", "--kv-sink-tokens", "-1"], "--kv-sink-tokens must be from 0"),
+        (["build", "tiny-llama", "-o", NOWHERE, "--kv-sink-tokens", "4096"],
+         "--kv-sink-tokens must be from 0 to 1024"),
+        (["bench", "quality", "tiny-llama", "--kv-sink-tokens", "4"],
+         "--kv-sink-tokens needs a --recent-window value >= 1"),
         (["engine", NOWHERE, "--max-blocks", "1"], "--max-blocks must be from 2"),
         (["engine", NOWHERE, "--max-batch", "0"], "--max-batch must be from 1"),
         (["bench", "speed", "tiny-llama", "--steps", "0"], "--steps must be from 1"),

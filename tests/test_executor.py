@@ -13,6 +13,7 @@ from helpers import (
     assert_greedy,
     assert_same_generation,
     teacher_forced,
+    with_byte_tokenizer,
 )
 
 from tqexport.contract.artifact import open_artifact
@@ -232,8 +233,10 @@ def test_smollm2_greedy_matches_transformers_generate(artifacts):
     assert_same_generation(logits, ours.output, ref)
 
 
-def test_run_cli_json_and_stream(artifacts):
-    path = artifacts("smollm2", "turboquant_k3v4_nc", ["boundary:3"])
+def test_run_cli_json_and_stream(artifacts, tmp_path):
+    """`run` end to end (a subprocess): tiny Llama with a byte-level tokenizer and chat
+    template (SmolLM2 is served by `make demo` and the transformers test above)."""
+    path = with_byte_tokenizer(artifacts("tiny-llama", "turboquant_k3v4_nc"), tmp_path / "art")
     r = cli("run", str(path), "--prompt", "What is 2+2?", "--max-tokens", "12", "--json")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
@@ -265,7 +268,7 @@ def test_streaming_never_splits_a_utf8_character():
 
 
 def test_run_prompts_file_is_one_continuous_batch(artifacts, tmp_path):
-    path = artifacts("smollm2", "turboquant_k3v4_nc", ["boundary:3"])
+    path = with_byte_tokenizer(artifacts("tiny-llama", "turboquant_k3v4_nc"), tmp_path / "art")
     f = tmp_path / "prompts.txt"
     f.write_text("Name a fruit.\n\nName a colour.\nCount to three.\n")
     r = cli("run", str(path), "--prompts-file", str(f), "--max-tokens", "6", "--json",

@@ -120,3 +120,32 @@ def test_paged_attention_body_matches_reference(dtype, window, softcap):
     (got,) = sess.run(None, {f"in{i}": x.numpy() for i, x in enumerate(inputs)})
     np.testing.assert_allclose(got, ref.numpy(), atol=1e-5, rtol=1e-4)
     assert np.all(got[4] == 0)  # the padding token sees nothing
+
+
+def test_a_variant_is_exported_once_and_handed_out_as_copies(monkeypatch, tmp_path):
+    """Exported once per variant: kept for the process and in the cache directory (shared by
+    processes), a damaged cache file exported again; each caller gets its own copy."""
+    from tqexport.export import functions
+
+    calls = []
+    real = functions._export_body
+    monkeypatch.setenv("TQEXPORT_CACHE", str(tmp_path))
+    monkeypatch.setattr(functions, "_EXPORTED", {})
+    monkeypatch.setattr(functions, "_export_body", lambda *a: calls.append(a) or real(*a))
+    attrs = node_attrs(CACHE_WRITE, layer_for("fp8"), num_heads=4)
+    first, _ = function_for(CACHE_WRITE, attrs, OPSET)
+    again, _ = function_for(CACHE_WRITE, attrs, OPSET)
+    assert len(calls) == 1 and again == first and again is not first
+    first.node.pop()  # a caller changing its copy changes nobody else's
+    assert function_for(CACHE_WRITE, attrs, OPSET)[0] == again
+    (stored,) = (tmp_path / "onnx-bodies" / CACHE_WRITE).iterdir()
+    assert stored.name.startswith(attrs["variant"] + "-")
+    functions._EXPORTED.clear()  # as a new process: read from the cache directory
+    assert function_for(CACHE_WRITE, attrs, OPSET)[0] == again and len(calls) == 1
+    for damaged, n in ((b"\xff" * 7, 2), (b"", 3)):  # unreadable; no function in it
+        functions._EXPORTED.clear()
+        stored.write_bytes(damaged)
+        assert function_for(CACHE_WRITE, attrs, OPSET)[0] == again and len(calls) == n
+    other = node_attrs(CACHE_WRITE, layer_for("fp8", heads=3), num_heads=3)
+    assert function_for(CACHE_WRITE, other, OPSET)[0].overload == other["variant"]
+    assert len(calls) == 4

@@ -1,6 +1,7 @@
 """Where `build` writes: parents created, --force replaces only artifacts, nothing left behind."""
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -47,17 +48,18 @@ def test_force_refuses_a_directory_that_is_not_an_artifact(tmp_path):
     assert tree(tmp_path) == ["v", "v/important.txt"]
 
 
-def test_force_refuses_the_current_directory(tmp_path):
-    build_artifact("tiny-llama", tmp_path / "art", BuildOptions())
+def test_force_refuses_the_current_directory(artifacts, tmp_path):
+    shutil.copytree(artifacts("tiny-llama", "auto"), tmp_path / "art")
     before = tree(tmp_path)
     r = cli("build", "tiny-llama", "-o", ".", "--force", cwd=tmp_path / "art")
     assert r.returncode == 2 and "current directory" in r.stderr, r.stderr
     assert tree(tmp_path) == before
 
 
-def test_force_replaces_an_artifact_and_an_empty_directory(tmp_path):
+def test_force_replaces_an_artifact_and_an_empty_directory(artifacts, tmp_path):
     art = tmp_path / "art"
-    build_artifact("tiny-llama", art, BuildOptions())
+    shutil.copytree(artifacts("tiny-llama", "auto"), art)
+    assert open_artifact(art).spec.layers[0].kv_cache_dtype == "auto"
     build_artifact("tiny-llama", art, BuildOptions(kv_cache_dtype="fp8", force=True))
     assert open_artifact(art).spec.layers[0].kv_cache_dtype == "fp8"
     empty = tmp_path / "empty"

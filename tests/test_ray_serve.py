@@ -127,7 +127,8 @@ def test_two_replicas_share_load_and_survive_a_killed_replica(texty):
             live = {replica_of(r) for r in ok}
             if len(ok) == 8 and len(live) == 2 and (victim_id, victim_pid) not in live:
                 break
-            assert time.monotonic() < killed + 90, "the killed replica was not replaced"
+            # bounded; generous, since a loaded 2-core machine starts a replica slowly
+            assert time.monotonic() < killed + 240, "the killed replica was not replaced"
             time.sleep(1)
         recovered = time.monotonic() - killed
         print(f"\nray serve: up in {up:.1f} s, 2 replicas, 16 + 16 requests, "

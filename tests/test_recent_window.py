@@ -11,6 +11,7 @@ from helpers import (
     assert_same_generation,
     assert_same_run,
     prefill_chunks,
+    serve_on_torch,
     teacher_forced,
 )
 
@@ -107,17 +108,10 @@ def test_recent_window_is_chunking_invariant_and_between_plain_and_quantized(lla
 def test_executor_recycles_recent_blocks_and_matches_contiguous_prefill(llama):
     """Served through the block manager (window blocks recycled through the null block), a
     long generation equals a prefill of the same tokens with contiguous tables."""
-    from tqexport.contract.artifact import Artifact
-
     spec = resolve(llama.description, "turboquant_4bit_nc", boundary=False, recent_window=8).spec
-    spec = ModelSpec(model={**spec.model, "path": "tiny-llama"}, dtype=spec.dtype,
-                     block_size=spec.block_size, layers=spec.layers, groups=spec.groups,
-                     request=spec.request, io=spec.graph_io())  # fmt: skip
-    ex = Executor(Artifact(None, spec), "torch", num_blocks=16, max_num_seqs=2,
-                  max_num_batched_tokens=16, source_model=llama)  # fmt: skip
+    ex, seq = serve_on_torch(llama, spec, TOKENS[:20])
     recent_group = next(g.id for g in spec.groups if g.recent)
     assert ex.group_num_blocks[recent_group] == 1 + 2 * (1 + 2) + 1 < 16
-    seq = ex.generate([TOKENS[:20]], SamplingParams(max_tokens=40, ignore_stop=True))[0]
     assert len(seq.output) == 40
     tokens = seq.prompt + seq.output
     logits = prefill_chunks(llama, spec, tokens[:-1], 59, num_blocks=8).logits
@@ -125,11 +119,16 @@ def test_executor_recycles_recent_blocks_and_matches_contiguous_prefill(llama):
 
 
 @pytest.mark.parametrize(
-    "model,dtype,skip", [("tiny-llama", "turboquant_4bit_nc", []), ("tiny-gemma2", "fp8", ["1"])]
+    "model,dtype,skip,sink",
+    [("tiny-llama", "turboquant_4bit_nc", [], 5), ("tiny-gemma2", "fp8", ["1"], 0)],
 )
-def test_onnx_artifact_with_recent_window_matches_reference(artifacts, model, dtype, skip):
-    art = open_artifact(artifacts(model, dtype, skip, recent_window=8))
+def test_onnx_artifact_with_recent_window_matches_reference(artifacts, model, dtype, skip, sink):
+    """The graph (ORT) against the reference, through the block manager: a recent window, and
+    for tiny-llama 5 sink tokens too (each sequence's first block kept past the window)."""
+    kw = {"sink_tokens": sink} if sink else {}
+    art = open_artifact(artifacts(model, dtype, skip, recent_window=8, **kw))
     assert any(la.recent_window for la in art.spec.layers)
+    assert art.spec.sink_tokens == sink
     report = run_parity(art, steps=12, prompt_len=20, batch=3)
     assert report.ok, [c for c in report.layers if not c.ok]  # cache bytes and attention
     ort = Executor(art, "ort", num_blocks=24, max_num_seqs=3)

@@ -140,6 +140,7 @@ def model_specs(draw):
         kv_heads=draw(st.integers(1, 8)),
         dtype=draw(st.sampled_from(["float32", "float16", "bfloat16"])),
     )
+    recent = draw(st.sampled_from([0, 0, 8, 32]))
     return resolve(
         desc,
         dtype,
@@ -147,7 +148,8 @@ def model_specs(draw):
         boundary=draw(st.booleans()),
         block_size=draw(st.sampled_from([1, 16, 32])),
         kv_scales=scales,
-        recent_window=draw(st.sampled_from([0, 0, 8, 32])),
+        recent_window=recent,
+        sink_tokens=draw(st.sampled_from([0, 4])) if recent else 0,
     ).spec
 
 

@@ -72,14 +72,15 @@ def test_interpreted_attention_windows_softcap_gqa_splits(
 
 
 # Recent window: keys within the last N positions of each query come from a model-dtype cache
-# paged by its own (sliding, null-recycled) block table.
+# paged by its own (sliding, null-recycled) block table; with S sink tokens, so do the first S
+# (their logical block 0 kept as block 1).
 RECENT_CHILD = r"""
 import os, sys, torch
 os.environ["TRITON_INTERPRET"] = "1"
 from tqexport.kvquant.codecs import make_codec, torch_dtype
 from tqexport.ops import reference
 from tqexport.ops.triton.paged_attention import paged_attention
-name, n, splits = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+name, n, splits, sink = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 codec = make_codec(name, 64, model_dtype="float32")
 plain = make_codec("auto", 64, model_dtype="float32")
 g = torch.Generator().manual_seed(n)
@@ -90,32 +91,40 @@ cache = reference.write_cache(codec, cache, k, v, torch.arange(40) + 16)  # bloc
 recent = [torch.zeros(6, 16, 2, 64) for _ in range(2)]
 # the recent group holds blocks 4, 5 for logical blocks 1, 2; logical block 0 was recycled
 recent = reference.write_cache(plain, recent, k[16:], v[16:], torch.arange(24) + 64)
-recent_tables = torch.tensor([[0, 4, 5]], dtype=torch.int32)
+recent = reference.write_cache(plain, recent, k[:16], v[:16], torch.arange(16) + 16)
+recent_tables = torch.tensor([[1 if sink else 0, 4, 5]], dtype=torch.int32)
 q = torch.randn(5, 4, 64, generator=g)
 args = (codec, q, cache, torch.tensor([[1, 2, 3]], dtype=torch.int32),
         torch.tensor([40], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32),
         torch.tensor([36, 37, 38, 39, 0]))
-kw = dict(scale=0.125, recent_cache=recent, recent_block_tables=recent_tables, recent_window=n)
+kw = dict(scale=0.125, recent_cache=recent, recent_block_tables=recent_tables, recent_window=n,
+          sink_tokens=sink)
 ref = reference.paged_attention(*args, **kw)
 got = paged_attention(*args, **kw, splits=splits)
 plain_ref = reference.paged_attention(*args, scale=0.125)
-torch.save({"ref": ref, "got": got, "plain": plain_ref}, sys.argv[4])
+no_sink = reference.paged_attention(*args, **{**kw, "sink_tokens": 0})
+torch.save({"ref": ref, "got": got, "plain": plain_ref, "no_sink": no_sink}, sys.argv[5])
 """
 
 
 @pytest.mark.parametrize(
-    "name,n,splits", [("turboquant_4bit_nc", 8, 2), ("fp8", 16, 1), ("turboquant_k8v4", 20, 4)]
-)
-def test_interpreted_attention_with_recent_window(tmp_path, name, n, splits):
+    "name,n,splits,sink",
+    [("turboquant_4bit_nc", 8, 2, 0), ("fp8", 16, 1, 3), ("turboquant_k8v4", 20, 4, 0),
+     ("turboquant_3bit_nc", 8, 2, 5)],
+)  # fmt: skip
+def test_interpreted_attention_with_recent_window(tmp_path, name, n, splits, sink):
     out = tmp_path / "r.pt"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", RECENT_CHILD, name, str(n), str(splits), str(out)],
+    args = [name, str(n), str(splits), str(sink), str(out)]
+    r = subprocess.run([sys.executable, "-c", RECENT_CHILD, *args],
                        env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     res = torch.load(out)
     torch.testing.assert_close(res["got"], res["ref"], atol=1e-5, rtol=1e-3)
     assert torch.equal(res["got"][4], torch.zeros_like(res["got"][4]))  # padding row
     assert (res["ref"][:4] - res["plain"][:4]).abs().max() > 1e-3  # the window changed reads
+    if sink:  # and the sink tokens did too
+        assert (res["ref"][:4] - res["no_sink"][:4]).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("name", NAMES)

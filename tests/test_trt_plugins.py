@@ -45,12 +45,13 @@ def plans(name, **kw):
             contract.launch_plan(contract.plugin_for(PAGED_ATTENTION, a), a))  # fmt: skip
 
 
-@pytest.mark.parametrize("recent", [0, 8])
-def test_declared_attributes_are_exactly_what_the_nodes_carry(artifacts, recent):
-    from tqexport.contract.artifact import open_artifact
+@pytest.mark.parametrize("recent,sink", [(0, 0), (8, 0), (8, 2)])
+def test_declared_attributes_are_exactly_what_the_nodes_carry(recent, sink):
+    from tqexport.models.config import describe_model
+    from tqexport.resolve import resolve
 
-    kw = {"recent_window": recent} if recent else {}
-    spec = open_artifact(artifacts("tiny-llama", "turboquant_4bit_nc", ["0"], **kw)).spec
+    spec = resolve(describe_model("tiny-llama"), "turboquant_4bit_nc", ["0"],
+                   boundary=False, recent_window=recent, sink_tokens=sink).spec  # fmt: skip
     layer = spec.layers[1]
     nodes = [(CACHE_WRITE, False), (PAGED_ATTENTION, False)] + [(CACHE_WRITE, True)] * bool(recent)
     for op, into_recent in nodes:
@@ -60,7 +61,8 @@ def test_declared_attributes_are_exactly_what_the_nodes_carry(artifacts, recent)
         assert list(declared) == sorted(declared, key=list(carried).index)
         assert {k: type(v) for k, v in carried.items()} == declared
     assert contract.plugin_for(PAGED_ATTENTION, node_attrs(PAGED_ATTENTION, layer, 4)) == (
-        "PagedAttentionSlotRecent" if recent else "PagedAttentionSlot")  # fmt: skip
+        "PagedAttentionSlot" + ("RecentSink" if sink else "Recent" if recent else "")
+    )
     if recent:  # the write into the recent cache is a plain model-dtype write
         assert contract.plugin_for(CACHE_WRITE, node_attrs(CACHE_WRITE, layer, 4, True)) == (
             "CacheWriteKV")  # fmt: skip
@@ -68,15 +70,19 @@ def test_declared_attributes_are_exactly_what_the_nodes_carry(artifacts, recent)
 
 def test_one_plugin_per_op_cache_arity_and_recent_window():
     assert contract.PLUGINS == {
-        "CacheWriteSlot": ("CacheWrite", 1, False), "CacheWriteKV": ("CacheWrite", 2, False),
-        "PagedAttentionSlot": ("PagedAttention", 1, False),
-        "PagedAttentionKV": ("PagedAttention", 2, False),
-        "PagedAttentionSlotRecent": ("PagedAttention", 1, True),
-        "PagedAttentionKVRecent": ("PagedAttention", 2, True),
+        "CacheWriteSlot": ("CacheWrite", 1, ""), "CacheWriteKV": ("CacheWrite", 2, ""),
+        "PagedAttentionSlot": ("PagedAttention", 1, ""),
+        "PagedAttentionKV": ("PagedAttention", 2, ""),
+        "PagedAttentionSlotRecent": ("PagedAttention", 1, "Recent"),
+        "PagedAttentionSlotRecentSink": ("PagedAttention", 1, "RecentSink"),
+        "PagedAttentionKVRecent": ("PagedAttention", 2, "Recent"),
+        "PagedAttentionKVRecentSink": ("PagedAttention", 2, "RecentSink"),
     }  # fmt: skip
     assert [contract.num_cache_tensors(attrs(n)) for n in NAMES] == [2, 2, 2, 1, 1, 1, 1, 1, 1]
     assert list(contract.attrs_of("PagedAttentionKVRecent"))[-3:] == [
         "recent_window", "variant", "layer"]  # fmt: skip
+    assert list(contract.attrs_of("PagedAttentionKVRecentSink"))[-4:] == [
+        "recent_window", "sink_tokens", "variant", "layer"]  # fmt: skip
 
 
 def test_argument_order_is_inputs_then_int32_scalars_then_outputs():
@@ -198,8 +204,10 @@ def test_register_signature_is_inputs_then_attributes():
 @pytest.mark.parametrize("name", NAMES)
 def test_every_variant_compiles_to_sm90_ptx_matching_the_launch(name):
     kw = dict(kvh=8, heads=32, dtype="float16", window=4, softcap=20.0)
-    recent = plans(name, d=128, recent_window=32, **kw)[1]  # the recent-window attention
-    for plan in [*plans(name, d=64, **kw), *plans(name, d=128, **kw), recent]:
+    recent = [plans(name, d=128, recent_window=32, **kw)[1]]  # the recent-window attention
+    if name in ("fp8", "turboquant_4bit_nc"):  # and with sink tokens, once per entry point
+        recent.append(plans(name, d=128, recent_window=32, sink_tokens=4, **kw)[1])
+    for plan in [*plans(name, d=64, **kw), *plans(name, d=128, **kw), *recent]:
         kernel = compile_plan(plan)
         assert ".target sm_90" in kernel.ptx and kernel.name == plan.kernel.__name__
         assert kernel.block_x == 128 and kernel.global_scratch_size == 0
@@ -267,8 +275,18 @@ for name in sys.argv[2:]:
                                      recent_window=2)
     (rgot,) = emulate.launch(contract.launch_plan(contract.plugin_for("PagedAttention", ra), ra),
                              [q, *trt, *steps, *recent, rt])
+    # 2 sink tokens with the recent window, full attention: seq 0 keeps its logical block 0
+    sa = dict(a, window=0, recent_window=2, sink_tokens=2)
+    st = torch.tensor([[1, 2, 3], [5, 0, 0]], dtype=torch.int32)
+    skw = dict(scale=d**-0.5, softcap=20.0, recent_cache=recent, recent_block_tables=st,
+               recent_window=2)
+    sref = reference.paged_attention(codec, q, trt, *steps, **skw, sink_tokens=2)
+    no_sink = reference.paged_attention(codec, q, trt, *steps, **skw)
+    (sgot,) = emulate.launch(contract.launch_plan(contract.plugin_for("PagedAttention", sa), sa),
+                             [q, *trt, *steps, *recent, st])
     results[name] = {"torch_entry": torch_entry, "trt": trt, "ref": ref, "got": got,
-                     "recent_ref": rref, "recent_got": rgot}
+                     "recent_ref": rref, "recent_got": rgot, "sink_ref": sref,
+                     "sink_got": sgot, "no_sink": no_sink}
 torch.save(results, sys.argv[1])
 """
 
@@ -291,6 +309,10 @@ def test_trt_order_kernels_in_the_interpreter_match(tmp_path):
         assert torch.equal(x["recent_got"][4:], torch.zeros_like(x["got"][4:]))
         if name != "auto":  # the window read model-dtype keys, not the quantized ones
             assert (x["recent_ref"][:4] - x["ref"][:4]).abs().max() > 1e-4, name
+        torch.testing.assert_close(x["sink_got"], x["sink_ref"], atol=1e-5, rtol=1e-3,
+                                   msg=name)  # fmt: skip
+        if name != "auto":  # the sink tokens, too
+            assert (x["sink_ref"][:3] - x["no_sink"][:3]).abs().max() > 1e-4, name
 
 
 def test_engine_graph_uses_the_plugins_and_profile(artifacts):

@@ -30,6 +30,7 @@ from tqexport.options import (
     KvDtypeOption,
     MemoryOptions,
     RecentWindowOption,
+    SinkTokensOption,
     SkipOption,
 )
 from tqexport.runtime.config import EngineConfig
@@ -99,6 +100,7 @@ def plan(
     boundary: BoundaryOption = True,
     block_size: BlockSizeOption = DEFAULT_BLOCK_SIZE,
     recent_window: RecentWindowOption = 0,
+    sink_tokens: SinkTokensOption = 0,
     key_transform: KeyTransformOption = "none",
     dtype: Annotated[
         str | None, typer.Option(help="Model dtype (default: the config's, else float32).")
@@ -116,17 +118,19 @@ def plan(
     ] = False,
 ):
     """Print the per-layer cache plan of MODEL from its config alone (no weights loaded)."""
-    from tqexport.kvquant.transforms import parse_key_transform
+    from tqexport.kvquant.transforms import key_transform_label, parse_key_transform
     from tqexport.models.config import describe_model
     from tqexport.resolve import resolve
+    from tqexport.spec import recent_label
 
     validate.block_size(block_size)
     validate.recent_window(recent_window)
+    validate.sink_tokens(sink_tokens)
     kinds = parse_key_transform(key_transform)
     desc = describe_model(model, dtype)
     res = resolve(
         desc, kv_cache_dtype, skip_layers or [], boundary=boundary, block_size=block_size,
-        recent_window=recent_window, key_transform=kinds,
+        recent_window=recent_window, sink_tokens=sink_tokens, key_transform=kinds,
     )  # fmt: skip
     for w in res.warnings:
         _warn(w)
@@ -161,8 +165,8 @@ def plan(
         "why unquantized",
     ):
         t.add_column(col)
+    keys = key_transform_label(kinds)
     for la in spec.layers:
-        keys = "+".join(kinds)
         t.add_row(
             str(la.index),
             la.attention_type.value,
@@ -172,7 +176,7 @@ def plan(
             la.cache.storage_dtype,
             str(la.cache.bytes_per_token),
             str(la.group),
-            f"{la.recent_window} (group {la.recent_group})" if la.recent else "-",
+            recent_label(la.recent_window, la.sink_tokens, la.recent_group),
             *([f"{keys} (fitted at build)" if la.mode.is_quantized else "-"] if kinds else []),
             printable(la.skipped_by or ""),
         )
@@ -201,6 +205,7 @@ def build(
     boundary: BoundaryOption = True,
     block_size: BlockSizeOption = DEFAULT_BLOCK_SIZE,
     recent_window: RecentWindowOption = 0,
+    sink_tokens: SinkTokensOption = 0,
     key_transform: KeyTransformOption = "none",
     dtype: Annotated[
         str | None,
@@ -230,6 +235,7 @@ def build(
         raise TQExportError(f"--opset must be 21..23 (fp8 casts need 21+), got {opset}")
     validate.block_size(block_size)
     validate.recent_window(recent_window)
+    validate.sink_tokens(sink_tokens)
     parse_kv_scales(kv_scales)
     parse_key_transform(key_transform)
     if dtype is not None:
@@ -240,6 +246,7 @@ def build(
         boundary=boundary,
         block_size=block_size,
         recent_window=recent_window,
+        sink_tokens=sink_tokens,
         dtype=dtype or "float32",
         opset=opset,
         force=force,
@@ -286,6 +293,10 @@ def build(
         console.print(
             f"recent window: the last {spec.recent_window} tokens of each sequence also kept in "
             f"{spec.dtype}, {spec.recent_bytes_per_token} bytes per token of the window",
+        )
+    if spec.sink_tokens:
+        console.print(
+            f"sink tokens: the first {spec.sink_tokens} tokens of each sequence also kept there",
         )
 
 
@@ -358,6 +369,7 @@ def inspect(
     """Per-layer cache allocation of an artifact, and totals vs an all-bf16 cache."""
     from tqexport.contract.artifact import open_artifact
     from tqexport.runtime.memory import allocation
+    from tqexport.spec import recent_label
 
     config = EngineConfig(
         num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
@@ -393,7 +405,7 @@ def inspect(
     ):
         t.add_column(col)
     for r in rows:
-        recent = f"{r['recent_window']} (group {r['recent_group']})" if r["recent_window"] else "-"
+        recent = recent_label(r["recent_window"], r["sink_tokens"], r["recent_group"])
         t.add_row(
             str(r["index"]), r["attention_type"], str(r["window"] or "-"), r["kv_cache_dtype"],
             r["quant_mode"], str(r["group"]), str(r["bytes_per_token"]), recent,
@@ -403,6 +415,7 @@ def inspect(
     for g in groups:
         what = "full attention" if g["window"] is None else f"window {g['window']}"
         what = f"recent-window caches, {what}" if g["recent"] else what
+        what += f", and the first {g['sink_tokens']} tokens" if g["sink_tokens"] else ""
         console.print(
             f"group {g['id']} ({what}): layers {g['layers']}, {g['blocks']} usable blocks"
         )

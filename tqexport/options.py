@@ -28,6 +28,14 @@ RecentWindowOption = Annotated[
         help="Also keep each quantized layer's last N tokens in the model dtype (0 = off).",
     ),
 ]
+SinkTokensOption = Annotated[
+    int,
+    typer.Option(
+        "--kv-sink-tokens",
+        help="Also keep each sequence's first N tokens in the recent-window cache, in the model "
+        "dtype (needs --kv-recent-window; 0 = off).",
+    ),
+]
 KeyTransformOption = Annotated[
     str,
     typer.Option(

@@ -110,13 +110,15 @@ def resolve(
     block_size: int = DEFAULT_BLOCK_SIZE,
     kv_scales: dict[int, tuple[float, float]] | None = None,
     recent_window: int = 0,
+    sink_tokens: int = 0,
     key_transform: tuple[str, ...] = (),
     key_transforms: dict[int, KeyTransform] | None = None,
 ) -> Resolution:
     """Decide every layer's cache. ``boundary`` turns TurboQuant boundary protection on/off;
     ``kv_scales`` maps layer index -> (k_scale, v_scale) for fp8/nvfp4 layers (default 1.0);
     ``recent_window`` N > 0 also keeps the last N tokens of every quantized layer in the model
-    dtype (a sliding layer keeps at most its own window). ``key_transform`` names the kinds of
+    dtype (a sliding layer keeps at most its own window), and ``sink_tokens`` S > 0 the first
+    S tokens of every sequence there as well. ``key_transform`` names the kinds of
     exact key transform every quantized layer takes (checked here); ``key_transforms`` holds
     them per layer index once fitted (None: checked only, e.g. before weights load)."""
     entry = parse_kv_cache_dtype(kv_cache_dtype)
@@ -124,6 +126,13 @@ def resolve(
         raise ResolveError(f"--block-size must be positive, got {block_size}")
     if recent_window < 0:
         raise ResolveError(f"--kv-recent-window must be >= 0, got {recent_window}")
+    if sink_tokens < 0:
+        raise ResolveError(f"--kv-sink-tokens must be >= 0, got {sink_tokens}")
+    if sink_tokens and not recent_window:
+        raise ResolveError(
+            f"--kv-sink-tokens {sink_tokens} needs --kv-recent-window >= 1: the sink tokens are "
+            "kept in the recent-window cache"
+        )
     layers = model.layers
     if not layers:
         raise ResolveError(f"model {model.name!r} has no attention layers")
@@ -156,7 +165,8 @@ def resolve(
             for pos, la in enumerate(layers)
             if pos not in skipped
         }
-    groups = build_groups({la.index: la.window for la in layers}, block_size, recent)
+    sinks = {ix: sink_tokens for ix in recent} if sink_tokens else {}
+    groups = build_groups({la.index: la.window for la in layers}, block_size, recent, sinks)
     group_of = {ix: g.id for g in groups if not g.recent for ix in g.layers}
     recent_group_of = {ix: g.id for g in groups if g.recent for ix in g.layers}
     kv_scales = kv_scales or {}
@@ -198,6 +208,7 @@ def resolve(
                 recent=recent_spec(cache, recent[la.index]) if la.index in recent else None,
                 recent_group=recent_group_of.get(la.index),
                 key_transform=(key_transforms or {}).get(la.index) if pos not in skipped else None,
+                sink_tokens=sinks.get(la.index, 0),
             )
         )
     spec = ModelSpec(
@@ -212,6 +223,7 @@ def resolve(
             "boundary": boundary,
         }
         | ({"recent_window": recent_window} if recent_window else {})
+        | ({"sink_tokens": sink_tokens} if sink_tokens else {})
         | ({"key_transform": key_transform_label(key_transform)} if key_transform else {}),
     )
     return Resolution(spec, tuple(warnings))

@@ -24,7 +24,7 @@ from tqexport.kvquant.modes import KVQuantMode, parse_kv_cache_dtype
 from tqexport.kvquant.transforms import KeyTransform
 from tqexport.kvquant.turboquant import SlotLayout
 from tqexport.skip_layers import parse_skip_pattern, parse_skip_patterns
-from tqexport.validate import MAX_BLOCK_SIZE, MAX_RECENT_WINDOW
+from tqexport.validate import MAX_BLOCK_SIZE, MAX_RECENT_WINDOW, MAX_SINK_TOKENS
 
 SCHEMA_VERSION = 1
 
@@ -209,6 +209,15 @@ def recent_spec(cache: KVCacheSpec, window: int) -> SlidingWindowSpec:
     )
 
 
+def recent_label(window: int, sink_tokens: int, group: int | None) -> str:
+    """How tables show a layer's recent cache: ``-``, ``32 (group 2)``, ``32 + first 4 (group
+    2)`` (the recent window, then the sink tokens it also holds)."""
+    if not window:
+        return "-"
+    sinks = f" + first {sink_tokens}" if sink_tokens else ""
+    return f"{window}{sinks} (group {group})"
+
+
 @dataclass(frozen=True)
 class CacheBinding:
     """One paged cache a layer writes and attends over: the prefix of its tensors' graph roles,
@@ -251,6 +260,9 @@ class LayerSpec:
     recent_group: int | None = None
     #: exact transform of every key this layer stores (and of its queries), or None
     key_transform: KeyTransform | None = None
+    #: the first ``sink_tokens`` tokens of a sequence, also kept in the recent cache (whose
+    #: group never frees their blocks) and read from there: the keys most heads lean on
+    sink_tokens: int = 0
 
     @property
     def recent_window(self) -> int:
@@ -348,7 +360,7 @@ class LayerSpec:
             "group": self.recent_group,
             "bytes_per_token_head": r.bytes_per_token_head,
             "page_size_bytes": r.page_size_bytes,
-        }
+        } | ({"sink_tokens": self.sink_tokens} if self.sink_tokens else {})
 
     @classmethod
     def from_dict(cls, d: Any, position: int | None = None) -> LayerSpec:
@@ -377,9 +389,14 @@ class LayerSpec:
         recent = None
         if "recent" in d:
             recent = _obj(d["recent"], f"{where}: field 'recent'")
-            _known_keys(recent, _RECENT_KEYS, (), f"{where} recent")
+            _known_keys(recent, _RECENT_KEYS, ("sink_tokens",), f"{where} recent")
             recent_window = _int(recent, "window", 1, MAX_RECENT_WINDOW, f"{where} recent")
             recent_group = _int(recent, "group", 0, MAX_GROUPS - 1, f"{where} recent")
+            sink_tokens = (
+                _int(recent, "sink_tokens", 1, MAX_SINK_TOKENS, f"{where} recent")
+                if "sink_tokens" in recent
+                else 0
+            )
         try:
             cache = cache_spec(
                 window,
@@ -401,6 +418,7 @@ class LayerSpec:
                 recent=None if recent is None else recent_spec(cache, recent_window),
                 recent_group=None if recent is None else recent_group,
                 key_transform=_key_transform(d, cache, where),
+                sink_tokens=0 if recent is None else sink_tokens,
             )
         except SpecError as e:
             if str(e).startswith(where):
@@ -454,14 +472,21 @@ class CacheGroup:
     layers: tuple[int, ...]
     #: the group holds these layers' recent-window caches, not their own caches
     recent: bool = False
+    #: a recent group also keeps the blocks of every sequence's first ``sink_tokens`` tokens
+    sink_tokens: int = 0
+
+    @property
+    def sink_blocks(self) -> int:
+        """Blocks holding a sequence's sink tokens (never freed while it runs)."""
+        return -(-self.sink_tokens // self.block_size)
 
     def live_blocks(self, tokens: int) -> int:
         """Blocks one sequence of ``tokens`` holds at once: all of them, or for a windowed group
-        its window plus a partial block at each end."""
+        its window plus a partial block at each end (and its sink tokens' blocks)."""
         total = -(-tokens // self.block_size)
         if self.window is None:
             return total
-        return min(total, -(-self.window // self.block_size) + 2)
+        return min(total, -(-self.window // self.block_size) + 2 + self.sink_blocks)
 
     @property
     def bounded(self) -> bool:
@@ -476,21 +501,26 @@ class CacheGroup:
         if not self.bounded:
             return None
         steps = -(-max_step_tokens // self.block_size)
-        return 1 + max_num_seqs * (-(-self.window // self.block_size) + 2) + steps
+        per_seq = -(-self.window // self.block_size) + 2 + self.sink_blocks
+        return 1 + max_num_seqs * per_seq + steps
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "window": self.window,
-            "block_size": self.block_size,
-            "layers": list(self.layers),
-        } | ({"recent": True} if self.recent else {})
+        return (
+            {
+                "id": self.id,
+                "window": self.window,
+                "block_size": self.block_size,
+                "layers": list(self.layers),
+            }
+            | ({"recent": True} if self.recent else {})
+            | ({"sink_tokens": self.sink_tokens} if self.sink_tokens else {})
+        )
 
     @classmethod
     def from_dict(cls, d: Any, position: int | None = None) -> CacheGroup:
         where = f"group {'?' if position is None else position}"
         d = _obj(d, where)
-        _known_keys(d, ("id", "window", "block_size", "layers"), ("recent",), where)
+        _known_keys(d, ("id", "window", "block_size", "layers"), ("recent", "sink_tokens"), where)
         gid = _int(d, "id", 0, MAX_GROUPS - 1, where)
         if position is not None and gid != position:
             raise SpecError(
@@ -498,6 +528,13 @@ class CacheGroup:
                 f"0..n-1), got {gid}{REBUILD}"
             )
         recent = _bool(d, "recent", where) if "recent" in d else False
+        sink_tokens = 0
+        if "sink_tokens" in d:
+            if not recent:
+                raise SpecError(
+                    f"{where}: field 'sink_tokens' belongs to a recent-window group only{REBUILD}"
+                )
+            sink_tokens = _int(d, "sink_tokens", 1, MAX_SINK_TOKENS, where)
         if recent:
             window = _int(d, "window", 1, MAX_RECENT_WINDOW, where)
         else:
@@ -510,23 +547,29 @@ class CacheGroup:
                     f"{where}: field 'layers' must list layer indices in increasing order, each "
                     f"once; item {i} is {_show(x)}{REBUILD}"
                 )
-        return cls(gid, window, block_size, tuple(layers), recent)
+        return cls(gid, window, block_size, tuple(layers), recent, sink_tokens)
 
 
 def build_groups(
-    windows: dict[int, int | None], block_size: int, recent: dict[int, int] | None = None
+    windows: dict[int, int | None],
+    block_size: int,
+    recent: dict[int, int] | None = None,
+    sinks: dict[int, int] | None = None,
 ) -> tuple[CacheGroup, ...]:
     """Group layer indices by window: full attention first, then windows ascending; then one
-    group per recent-window size (``recent`` maps layer -> its recent window)."""
+    group per (recent window, sink tokens), ascending (``recent`` maps layer -> its recent
+    window, ``sinks`` layer -> its sink tokens, 0 where absent)."""
     keys = sorted(set(windows.values()), key=lambda w: (w is not None, w or 0))
     groups = [
         CacheGroup(i, w, block_size, tuple(sorted(ix for ix, lw in windows.items() if lw == w)))
         for i, w in enumerate(keys)
     ]
-    recent = recent or {}
-    for w in sorted(set(recent.values())):
-        layers = tuple(sorted(ix for ix, rw in recent.items() if rw == w))
-        groups.append(CacheGroup(len(groups), w, block_size, layers, recent=True))
+    sinks = sinks or {}
+    exact = {ix: (w, sinks.get(ix, 0)) for ix, w in (recent or {}).items()}
+    for w, sink in sorted(set(exact.values())):
+        layers = tuple(sorted(ix for ix, key in exact.items() if key == (w, sink)))
+        groups.append(CacheGroup(len(groups), w, block_size, layers, recent=True,
+                                 sink_tokens=sink))  # fmt: skip
     return tuple(groups)
 
 
@@ -598,10 +641,11 @@ class ModelSpec:
                     or not r.recent
                     or layer.index not in r.layers
                     or (r.window != layer.recent_window)
+                    or (r.sink_tokens != layer.sink_tokens)
                 ):
                     raise SpecError(
-                        f"layer {layer.index} is not in a recent-window group with its window"
-                        f"{REBUILD}"
+                        f"layer {layer.index} is not in a recent-window group with its window "
+                        f"and sink tokens{REBUILD}"
                     )
             elif layer.recent_group is not None:
                 raise SpecError(
@@ -624,6 +668,7 @@ class ModelSpec:
             {la.index: la.window for la in self.layers},
             self.block_size,
             {la.index: la.recent_window for la in self.layers if la.recent is not None},
+            {la.index: la.sink_tokens for la in self.layers if la.sink_tokens},
         )
         if self.groups != want:
             raise SpecError(
@@ -647,6 +692,11 @@ class ModelSpec:
     def recent_window(self) -> int:
         """The largest recent window of any layer (0 = none)."""
         return max((la.recent_window for la in self.layers), default=0)
+
+    @property
+    def sink_tokens(self) -> int:
+        """The most sink tokens any layer keeps (0 = none)."""
+        return max((la.sink_tokens for la in self.layers), default=0)
 
     @property
     def recent_bytes_per_token(self) -> int:
@@ -798,6 +848,14 @@ class ModelSpec:
                     raise SpecError(
                         f"layer {la.index}: recent window {la.recent_window} but the request "
                         f"(recent_window {rw}, {requested}) gives {want}{REBUILD}"
+                    )
+                sinks = self.request.get("sink_tokens", 0) if la.recent is not None else 0
+                if la.sink_tokens != sinks:
+                    raise SpecError(
+                        f"layer {la.index}: {la.sink_tokens} sink tokens but the request "
+                        f"(sink_tokens {self.request.get('sink_tokens', 0)}) gives {sinks} to a "
+                        f"layer {'with' if la.recent is not None else 'without'} a recent window"
+                        f"{REBUILD}"
                     )
         if self.io is not None:
             ours = self.graph_io()
@@ -1115,7 +1173,7 @@ def _request(value: Any) -> dict[str, Any]:
     r = _obj(value, "spec: field 'request'")
     keys = (
         "kv_cache_dtype", "skip_layers", "boundary", "recent_window", "kv_scales", "opset",
-        "key_transform",
+        "key_transform", "sink_tokens",
     )  # fmt: skip
     _known_keys(r, (), keys, "request")
     if "key_transform" in r:
@@ -1144,6 +1202,13 @@ def _request(value: Any) -> dict[str, Any]:
         _bool(r, "boundary", "request")
     if "recent_window" in r:
         _int(r, "recent_window", 0, MAX_RECENT_WINDOW, "request")
+    if "sink_tokens" in r:
+        _int(r, "sink_tokens", 1, MAX_SINK_TOKENS, "request")
+        if not r.get("recent_window"):
+            raise SpecError(
+                f"request: field 'sink_tokens' needs a recent_window (the sink tokens live in "
+                f"the recent-window cache){REBUILD}"
+            )
     if "kv_scales" in r:
         scales = r["kv_scales"]
         if isinstance(scales, str) and scales != "calibrate":

@@ -30,6 +30,8 @@ MAX_NUM_BATCHED_TOKENS = 2**20
 #: temperatures below this overflow ``logits / temperature`` in fp32; 0 means greedy
 MIN_TEMPERATURE = 1e-5
 MAX_RECENT_WINDOW = 2**20
+#: sink tokens kept in the model dtype per sequence (a few are what attention leans on)
+MAX_SINK_TOKENS = 2**10
 
 
 def integer(value, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
@@ -93,6 +95,10 @@ def block_size(value, name: str = "--block-size") -> int:
 
 def recent_window(value, name: str = "--kv-recent-window") -> int:
     return integer(value, name, 0, MAX_RECENT_WINDOW)
+
+
+def sink_tokens(value, name: str = "--kv-sink-tokens") -> int:
+    return integer(value, name, 0, MAX_SINK_TOKENS)
 
 
 def seed(value, name: str = "--seed", maximum: int = SEED_MAX) -> int:

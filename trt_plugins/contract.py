@@ -38,21 +38,32 @@ PAGED_ATTENTION_RECENT_ATTRS: dict[str, type] = {
     **{k: v for k, v in PAGED_ATTENTION_ATTRS.items() if k not in ("variant", "layer")},
     "recent_window": int, "variant": str, "layer": int,
 }  # fmt: skip
+#: ... and one whose recent cache also holds the sink tokens carries ``sink_tokens`` too.
+PAGED_ATTENTION_SINK_ATTRS: dict[str, type] = {
+    **{k: v for k, v in PAGED_ATTENTION_RECENT_ATTRS.items() if k not in ("variant", "layer")},
+    "sink_tokens": int, "variant": str, "layer": int,
+}  # fmt: skip
 ATTRS = {CACHE_WRITE: CACHE_WRITE_ATTRS, PAGED_ATTENTION: PAGED_ATTENTION_ATTRS}
+#: attention plugins by what the layer's recent cache holds: nothing, a window, also sinks
+_SEGMENT_ATTRS = {"Recent": PAGED_ATTENTION_RECENT_ATTRS, "RecentSink": PAGED_ATTENTION_SINK_ATTRS}
 
 # A QDP plugin has a fixed number of inputs and outputs, so each op has one plugin per cache
 # arity: "Slot" (TurboQuant: K and V packed in ONE uint8 tensor) and "KV" (two tensors); a layer
 # with a recent window attends through a "...Recent" plugin taking its recent cache and table
-# as three more inputs (its recent cache is written by a plain CacheWriteKV node).
+# as three more inputs (its recent cache is written by a plain CacheWriteKV node), and one
+# whose recent cache also holds sink tokens through "...RecentSink" (same inputs).
 _STEPS = ("block_tables", "seq_lens", "query_start_loc", "positions")
 _RECENT = ("recent_k_cache", "recent_v_cache", "recent_block_tables")
 _INPUTS = {
-    ("CacheWrite", 1, False): ("cache", "k", "v", "slot_mapping"),
-    ("CacheWrite", 2, False): ("k_cache", "v_cache", "k", "v", "slot_mapping"),
-    ("PagedAttention", 1, False): ("q", "cache", *_STEPS),
-    ("PagedAttention", 2, False): ("q", "k_cache", "v_cache", *_STEPS),
-    ("PagedAttention", 1, True): ("q", "cache", *_STEPS, *_RECENT),
-    ("PagedAttention", 2, True): ("q", "k_cache", "v_cache", *_STEPS, *_RECENT),
+    ("CacheWrite", 1, ""): ("cache", "k", "v", "slot_mapping"),
+    ("CacheWrite", 2, ""): ("k_cache", "v_cache", "k", "v", "slot_mapping"),
+    ("PagedAttention", 1, ""): ("q", "cache", *_STEPS),
+    ("PagedAttention", 2, ""): ("q", "k_cache", "v_cache", *_STEPS),
+    **{("PagedAttention", 1, seg): ("q", "cache", *_STEPS, *_RECENT) for seg in _SEGMENT_ATTRS},
+    **{
+        ("PagedAttention", 2, seg): ("q", "k_cache", "v_cache", *_STEPS, *_RECENT)
+        for seg in _SEGMENT_ATTRS
+    },
 }
 _OUTPUTS = {"CacheWrite": {1: ("cache_out",), 2: ("k_cache_out", "v_cache_out")},
             "PagedAttention": {1: ("out",), 2: ("out",)}}  # fmt: skip
@@ -62,9 +73,10 @@ _SCALAR_DIMS = {"num_seqs": ("block_tables", 0), "max_blocks": ("block_tables", 
                 "max_recent_blocks": ("recent_block_tables", 1)}  # fmt: skip
 
 
-def plugin_name(op: str, num_cache_tensors: int, recent: bool = False) -> str:
-    """Registered plugin name (without namespace) for an op, its cache arity, recent window."""
-    return f"{op}{_SUFFIX[num_cache_tensors]}{'Recent' if recent else ''}"
+def plugin_name(op: str, num_cache_tensors: int, segments: str = "") -> str:
+    """Registered plugin name (without namespace) for an op, its cache arity and what its
+    recent cache holds (``""``: none, ``"Recent"``: a window, ``"RecentSink"``: also sinks)."""
+    return f"{op}{_SUFFIX[num_cache_tensors]}{segments}"
 
 
 PLUGINS = {plugin_name(*key): key for key in _INPUTS}
@@ -84,8 +96,8 @@ def outputs_of(plugin: str) -> tuple[str, ...]:
 
 
 def attrs_of(plugin: str) -> dict[str, type]:
-    op, _, recent = PLUGINS[plugin]
-    return PAGED_ATTENTION_RECENT_ATTRS if recent else ATTRS[op]
+    op, _, segments = PLUGINS[plugin]
+    return _SEGMENT_ATTRS[segments] if segments else ATTRS[op]
 
 
 def codec_of(attrs: dict) -> Codec:
@@ -108,8 +120,10 @@ def num_cache_tensors(attrs: dict) -> int:
 
 def plugin_for(op: str, attrs: dict) -> str:
     """The plugin a node of ``op`` with these attributes runs as."""
-    recent = op == PAGED_ATTENTION and bool(attrs.get("recent_window"))
-    return plugin_name(op, num_cache_tensors(attrs), recent)
+    segments = ""
+    if op == PAGED_ATTENTION and attrs.get("recent_window"):
+        segments = "RecentSink" if attrs.get("sink_tokens") else "Recent"
+    return plugin_name(op, num_cache_tensors(attrs), segments)
 
 
 @dataclass(frozen=True)
@@ -158,7 +172,8 @@ def launch_plan(plugin: str, attrs: dict) -> LaunchPlan:
         raise TQExportError(
             f"layer {attrs.get('layer', '?')}: {plugin} does not fit a node with "
             f"{attrs['kv_cache_dtype']} ({len(codec.tensors)} cache tensor(s), recent window "
-            f"{attrs.get('recent_window', 0)}); use {want}"
+            f"{attrs.get('recent_window', 0)}, sink tokens {attrs.get('sink_tokens', 0)}); use "
+            f"{want}"
         )
     heads, dtype = int(attrs["num_kv_heads"]), attrs["model_dtype"]
     if op == CACHE_WRITE:
@@ -169,6 +184,7 @@ def launch_plan(plugin: str, attrs: dict) -> LaunchPlan:
             codec, int(attrs["num_heads"]), heads, int(attrs["block_size"]), dtype,
             scale=float(attrs["scale"]), softcap=float(attrs["softcap"]),
             window=int(attrs["window"]), recent_window=int(attrs.get("recent_window", 0)),
+            sink_tokens=int(attrs.get("sink_tokens", 0)),
         )  # fmt: skip
         scalars = ("num_seqs", "max_blocks") + (("max_recent_blocks",) if recent else ())
         options = {}

@@ -111,7 +111,11 @@ def _run_torch_op(plugin: str, attrs: dict, ins: list, outs: list) -> None:
         torch.ops.tqexport.cache_write(caches, k, v, slots, *scales)
         return
     q, caches, steps, extra = ins[0], ins[1 : 1 + n], ins[1 + n : 5 + n], ins[5 + n :]
-    window = (extra[:2], extra[2], attrs["recent_window"]) if recent else ([], None, 0)
+    window = (
+        (extra[:2], extra[2], attrs["recent_window"], attrs.get("sink_tokens", 0))
+        if recent
+        else ([], None, 0, 0)
+    )
     out = torch.ops.tqexport.paged_attention(
         q, caches, *steps, *scales, attrs["scale"], attrs["softcap"], attrs["window"], *window
     )

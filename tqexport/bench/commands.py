@@ -54,6 +54,13 @@ def bench_quality(
     recent_window: Annotated[
         str, typer.Option(help="--kv-recent-window values to score, e.g. 0,32,128.")
     ] = "0",
+    sink_tokens: Annotated[
+        str,
+        typer.Option(
+            "--kv-sink-tokens",
+            help="Sink-token counts to score with every recent window > 0, e.g. 0,4.",
+        ),
+    ] = "0",
     kv_scales: Annotated[
         str, typer.Option(help="fp8/nvfp4 per-layer scales: a number, or calibrate (as build).")
     ] = "1.0",
@@ -81,7 +88,13 @@ def bench_quality(
     if text_file is not None and not text_file.is_file():
         raise TQExportError(f"--text-file {text_file} not found")
     configs = matrix.quality_configs(
-        kv_cache_dtype, boundary, skip_layers, recent_window, kv_scales, key_transform
+        kv_cache_dtype,
+        boundary,
+        skip_layers,
+        recent_window,
+        kv_scales,
+        key_transform,
+        sink_tokens,
     )
     ours, peer_result, note = _quality(target, configs, text_file, chunk, chunks, peer)
     rows = with_deltas(ours, peer_result)

@@ -49,10 +49,12 @@ def quality_configs(
     recent: str = "0",
     kv_scales: str = "1.0",
     key_transforms: str = "none",
+    sinks: str = "0",
 ):
     """The configurations a quality run scores: every dtype, TurboQuant ones with boundary
-    protection on/off as asked, quantized ones at every recent window, native TurboQuant ones
-    with every key transform in the comma-separated ``key_transforms``."""
+    protection on/off as asked, quantized ones at every recent window (those > 0 with every
+    count of sink tokens in ``sinks``), native TurboQuant ones with every key transform in the
+    comma-separated ``key_transforms``."""
     from tqexport.bench.quality import Config
     from tqexport.export.artifact import parse_kv_scales
     from tqexport.kvquant.modes import parse_kv_cache_dtype
@@ -66,6 +68,12 @@ def quality_configs(
         parse_kv_cache_dtype(n)
     skip = tuple(split(skip_layers))
     windows = ints(recent, "recent-window", minimum=0, maximum=validate.MAX_RECENT_WINDOW)
+    sink_counts = ints(sinks, "kv-sink-tokens", minimum=0, maximum=validate.MAX_SINK_TOKENS)
+    if any(sink_counts) and not any(windows):
+        raise TQExportError(
+            "--kv-sink-tokens needs a --recent-window value >= 1: the sink tokens are kept in "
+            "the recent-window cache"
+        )
     transforms = [key_transform_label(parse_key_transform(t)) for t in split([key_transforms])]
     configs = []
     for n in names:
@@ -74,8 +82,11 @@ def quality_configs(
         keys = transforms if entry.native and entry.is_turboquant else ["none"]
         for b in flags if entry.is_turboquant else [True]:
             configs += [
-                Config(n, b, skip, w, kv_scales, t)
+                Config(
+                    n, b, skip, recent_window=w, sink_tokens=s, kv_scales=kv_scales, key_transform=t
+                )  # fmt: skip
                 for w in (windows if n != "auto" else [0])
+                for s in (sink_counts if w else [0])
                 for t in keys
             ]
     return configs

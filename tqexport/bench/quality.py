@@ -33,6 +33,7 @@ class Config:
     boundary: bool = True
     skip_layers: tuple[str, ...] = ()
     recent_window: int = 0
+    sink_tokens: int = 0
     kv_scales: str = "1.0"  # fp8/nvfp4 per-layer scales: a number, or "calibrate"
     key_transform: str = "none"  # exact key transforms (kvquant.transforms), kinds joined by +
 
@@ -45,6 +46,7 @@ class Config:
         )
         extra += [f"skip {','.join(self.skip_layers)}"] if self.skip_layers else []
         extra += [f"recent {self.recent_window}"] if self.recent_window else []
+        extra += [f"sink {self.sink_tokens}"] if self.sink_tokens else []
         extra += [f"scales {self.kv_scales}"] if self.kv_scales != "1.0" else []
         extra += [f"keys {self.key_transform}"] if self.key_transform != "none" else []
         return " ".join([self.kv_cache_dtype, *extra])
@@ -56,7 +58,7 @@ AMORTIZE_CONTEXT = 4096
 
 def bits_per_element(spec: ModelSpec, model_bits: int | None = None) -> float:
     """KV bits per stored K or V element, all in: every layer's bytes (skipped ones included),
-    plus the recent window's bytes amortized over a 4096-token context.
+    plus the recent window's (and sink tokens') bytes amortized over a 4096-token context.
 
     ``model_bits`` counts unquantized storage (``auto`` layers, recent windows) at that width
     instead of the spec's model dtype (the runs here are fp32; a deployment keeps them in 16).
@@ -67,8 +69,10 @@ def bits_per_element(spec: ModelSpec, model_bits: int | None = None) -> float:
         for b in la.bindings:
             plain = model_bits is not None and b.cache.kv_cache_dtype == "auto"
             per_token = n * model_bits if plain else 8 * b.cache.bytes_per_token
-            if spec.groups[b.group].bounded:  # holds only its window of each sequence
-                per_token = per_token * min(b.cache.window, AMORTIZE_CONTEXT) / AMORTIZE_CONTEXT
+            group = spec.groups[b.group]
+            if group.bounded:  # holds only its window (and sink tokens) of each sequence
+                held = min(b.cache.window + group.sink_tokens, AMORTIZE_CONTEXT)
+                per_token = per_token * held / AMORTIZE_CONTEXT
             bits += per_token
         elems += n
     return bits / elems
@@ -92,6 +96,7 @@ class Run:
             "boundary": self.spec.request.get("boundary", True),
             "skip_layers": list(self.spec.request.get("skip_layers", [])),
             "recent_window": self.spec.recent_window,
+            "sink_tokens": self.spec.sink_tokens,
             "key_transform": self.spec.request.get("key_transform", "none"),
             "layer_dtypes": [la.kv_cache_dtype for la in self.spec.layers],
             "quantized_dtypes": quantized,
@@ -162,6 +167,7 @@ def evaluate(
             continue  # the baseline itself
         opts = BuildOptions(
             c.kv_cache_dtype, list(c.skip_layers), c.boundary, recent_window=c.recent_window,
+            sink_tokens=c.sink_tokens,
             kv_scales=c.kv_scales, key_transform=c.key_transform,
         )  # fmt: skip
         spec, _ = resolve_spec(model_name, lm, opts)

@@ -40,6 +40,7 @@ class BuildOptions:
     boundary: bool = True
     block_size: int = DEFAULT_BLOCK_SIZE
     recent_window: int = 0
+    sink_tokens: int = 0  # the first N tokens, kept in the recent-window cache
     dtype: str | None = None
     opset: int = DEFAULT_OPSET
     force: bool = False
@@ -193,6 +194,7 @@ def check_options(model: str, options: BuildOptions):
         boundary=options.boundary,
         block_size=options.block_size,
         recent_window=options.recent_window,
+        sink_tokens=options.sink_tokens,
         key_transform=transforms.parse_key_transform(options.key_transform),
     )
 
@@ -210,6 +212,7 @@ def resolve_spec(
         boundary=options.boundary,
         block_size=options.block_size,
         recent_window=options.recent_window,
+        sink_tokens=options.sink_tokens,
         key_transform=kinds,
     )
     own_text = options.calibration_text.read_text() if options.calibration_text else None

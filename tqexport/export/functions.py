@@ -9,14 +9,22 @@ Runtime computes exactly what the torch reference computes; TensorRT, with
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import json
+import os
 import warnings
+from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import onnx
 import torch
+from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 
 from tqexport.kvquant.codecs import MODEL_DTYPES, codec_for, torch_dtype
+from tqexport.models.loader import cache_dir
 from tqexport.ops import reference
 from tqexport.ops.attributes import CACHE_WRITE, DOMAIN
 
@@ -58,6 +66,7 @@ class _PagedAttentionBody(torch.nn.Module):
             recent_cache=recent[:2] or None,
             recent_block_tables=recent[2] if recent else None,
             recent_window=a.get("recent_window", 0),
+            sink_tokens=a.get("sink_tokens", 0),
         )
 
 
@@ -205,8 +214,71 @@ def _constant_nodes(init: onnx.TensorProto) -> list[onnx.NodeProto]:
     return nodes
 
 
+#: serialized bodies exported in this process, by (op, variant, opset): a variant names exactly
+#: the static parameters a body is specialized to, so a later build reuses the export
+_EXPORTED: dict[tuple[str, str, int], bytes] = {}
+
+
+@lru_cache(maxsize=1)
+def _code_digest() -> str:
+    """What a body is exported by: every tqexport source file and the exporting libraries'
+    versions (any change gives new keys, so a stale body is never read)."""
+    h = hashlib.sha256(f"torch {torch.__version__} onnx {onnx.__version__}".encode())
+    h.update(f" onnxscript {importlib.metadata.version('onnxscript')}".encode())
+    root = Path(__file__).resolve().parents[1]
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def _disk_path(op: str, attrs: dict, opset: int) -> Path:
+    static = {k: v for k, v in attrs.items() if k not in ("layer", "plugin_namespace")}
+    key = json.dumps([_code_digest(), op, opset, static], sort_keys=True)
+    name = f"{attrs['variant']}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.onnx"
+    return cache_dir() / "onnx-bodies" / op / name
+
+
+def _cached_body(op: str, attrs: dict, opset: int) -> bytes:
+    """The serialized single-function model of one variant: from this process, else from the
+    cache directory (``TQEXPORT_CACHE``, shared by processes), else exported and stored there
+    (written to a temporary name and renamed, so a reader never sees half a file)."""
+    key = (op, attrs["variant"], opset)
+    if key in _EXPORTED:
+        return _EXPORTED[key]
+    path = _disk_path(op, attrs, opset)
+    try:
+        data = path.read_bytes()
+        functions = onnx.ModelProto.FromString(data).functions
+        if not functions or functions[0].overload != attrs["variant"]:
+            raise DecodeError("not this variant's body")  # a damaged file is exported again
+    except (OSError, DecodeError):
+        data = _function_model(op, attrs, opset).SerializeToString()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except OSError:  # a read-only cache costs time, never a build
+            pass
+    _EXPORTED[key] = data
+    return data
+
+
 def function_for(op: str, attrs: dict, opset: int) -> tuple[onnx.FunctionProto, list]:
-    """FunctionProto for one variant; also returns functions its body calls (usually none)."""
+    """FunctionProto for one variant; also returns functions its body calls (usually none).
+    Exported once per variant and tqexport version (torch.onnx export is most of a build's
+    time), see :func:`_cached_body`; every call returns fresh copies."""
+    model = onnx.ModelProto.FromString(_cached_body(op, attrs, opset))
+    return model.functions[0], list(model.functions[1:])
+
+
+def _function_model(op: str, attrs: dict, opset: int) -> onnx.ModelProto:
+    """A model holding the variant's function, then the functions it calls."""
+    fn, extra = _function_for(op, attrs, opset)
+    return helper.make_model(helper.make_graph([], "body", [], []), functions=[fn, *extra])
+
+
+def _function_for(op: str, attrs: dict, opset: int) -> tuple[onnx.FunctionProto, list]:
     model = _export_body(op, attrs, opset)
     _narrow_lookup_indices(model.graph)
     g = model.graph

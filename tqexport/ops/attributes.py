@@ -32,15 +32,19 @@ def cache_write_attrs(c: KVCacheSpec) -> dict:
 
 
 def paged_attention_attrs(layer: LayerSpec, num_heads: int) -> dict:
-    """Static parameters of a layer's PagedAttention; ``recent_window`` only when it has one,
-    so layers without a recent window keep exactly their earlier attributes and variants."""
-    return {
-        **cache_write_attrs(layer.cache),
-        "num_heads": num_heads,
-        "scale": float(layer.scale),
-        "softcap": float(layer.softcap or 0.0),
-        "window": int(layer.window or 0),
-    } | ({"recent_window": layer.recent_window} if layer.recent_window else {})
+    """Static parameters of a layer's PagedAttention; ``recent_window`` (and ``sink_tokens``)
+    only when it has one, so other layers keep exactly their earlier attributes and variants."""
+    return (
+        {
+            **cache_write_attrs(layer.cache),
+            "num_heads": num_heads,
+            "scale": float(layer.scale),
+            "softcap": float(layer.softcap or 0.0),
+            "window": int(layer.window or 0),
+        }
+        | ({"recent_window": layer.recent_window} if layer.recent_window else {})
+        | ({"sink_tokens": layer.sink_tokens} if layer.sink_tokens else {})
+    )
 
 
 def variant(op: str, attrs: dict) -> str:
@@ -67,11 +71,18 @@ def node_attrs(op: str, layer: LayerSpec, num_heads: int, binding: int = 0) -> d
 
 def attention_segments(layer: LayerSpec, caches: list, block_tables: list) -> dict:
     """PagedAttention's operands beyond the layer's first binding, by keyword: the written
-    cache and block table of its recent-window binding and the window (none: empty, 0)."""
+    cache and block table of its recent-window binding, the window and the sink tokens it
+    also holds (none: empty, 0, 0)."""
     if len(layer.bindings) == 1:
-        return {"recent_cache": [], "recent_block_tables": None, "recent_window": 0}
+        return {
+            "recent_cache": [],
+            "recent_block_tables": None,
+            "recent_window": 0,
+            "sink_tokens": 0,
+        }
     return {
         "recent_cache": caches[1],
         "recent_block_tables": block_tables[1],
         "recent_window": layer.recent_window,
+        "sink_tokens": layer.sink_tokens,
     }

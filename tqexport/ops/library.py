@@ -54,9 +54,10 @@ def paged_attention(
     recent_cache: list[torch.Tensor],
     recent_block_tables: torch.Tensor | None,
     recent_window: int,
+    sink_tokens: int,
 ) -> torch.Tensor:
     """``softcap`` 0 = none, ``window`` 0 = full attention; ``recent_window`` 0 = none (then
-    ``recent_cache`` is empty and ``recent_block_tables`` None)."""
+    ``recent_cache`` is empty, ``recent_block_tables`` None and ``sink_tokens`` 0)."""
     codec = codec_for(kv_cache_dtype, q.shape[-1], model_dtype, k_scale, v_scale)
     if q.is_cuda:
         from tqexport.ops.triton import paged_attention as triton_attention
@@ -67,7 +68,7 @@ def paged_attention(
                 codec, q, cache, block_tables, seq_lens, query_start_loc, positions,
                 scale=scale, softcap=softcap or None, window=window or None,
                 recent_cache=recent_cache or None, recent_block_tables=recent_block_tables,
-                recent_window=recent_window,
+                recent_window=recent_window, sink_tokens=sink_tokens,
             )  # fmt: skip
     return reference.paged_attention(
         codec,
@@ -83,6 +84,7 @@ def paged_attention(
         recent_cache=recent_cache or None,
         recent_block_tables=recent_block_tables,
         recent_window=recent_window,
+        sink_tokens=sink_tokens,
     )
 
 

@@ -93,15 +93,20 @@ class _Queries:
 class _Segment:
     """The keys one segment of the cache offers the step's queries (step inputs only): each
     sequence's blocks from the first one its first query may see, as wide as the widest
-    sequence needs, gathered straight into the head-major layout ``[S, KVH, C]``."""
+    sequence needs, gathered straight into the head-major layout ``[S, KVH, C]``. Only keys at
+    positions ``keys_from <= p < keys_below`` belong to the segment (the sink tokens' split)."""
 
     def __init__(self, qs: _Queries, tables, seq_lens, block_size, kv_heads, lookback=None,
-                 gap=0, window=None, lo=None, hi=None):  # fmt: skip
+                 gap=0, window=None, lo=None, hi=None, keys_from=0,
+                 keys_below=None):  # fmt: skip
         dev = tables.device
         width = tables.shape[1]
         # keys p with first - lookback < p <= last - gap and p < seq_len
         lo_pos = seq_lens * 0 if lookback is None else (qs.first - lookback + 1).clamp(min=0)
+        lo_pos = lo_pos.clamp(min=keys_from)
         hi_pos = torch.minimum(seq_lens - 1, qs.last - gap)
+        if keys_below is not None:
+            hi_pos = hi_pos.clamp(max=keys_below - 1)
         first = torch.div(lo_pos, block_size, rounding_mode="floor")
         count = torch.div(hi_pos, block_size, rounding_mode="floor") - first + 1
         num = _size(count.max().clamp(min=1, max=width))
@@ -124,6 +129,10 @@ class _Segment:
             seen = seen & (kp > qp - window)
         if lo is not None:
             seen = seen & (kp >= lo)
+        if keys_from:
+            seen = seen & (kp >= keys_from)
+        if keys_below is not None:
+            seen = seen & (kp < keys_below)
         self.seen = seen & self.valid.unsqueeze(1) & qs.ok.unsqueeze(2)  # [S, Q, C]
 
     def gather(self, codec: Codec, cache: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -197,13 +206,15 @@ def paged_attention(
     recent_cache: list[torch.Tensor] | None = None,
     recent_block_tables: torch.Tensor | None = None,
     recent_window: int = 0,
+    sink_tokens: int = 0,
 ) -> torch.Tensor:
     """Attention of queries ``[T, heads, D]`` over the keys each may see, read from the cache.
 
     Each query attends over its own sequence's cached keys at positions ``<= its position``
     and, with a window W, ``> position - W``. With a recent window N (``recent_cache``: K and V
     in the model dtype, paged by ``recent_block_tables``), keys at positions ``> position - N``
-    are read from the recent cache instead of the quantized one. Queries that see nothing
+    are read from the recent cache instead of the quantized one, and with ``sink_tokens`` S so
+    are keys at positions ``< S`` (the recent group keeps their blocks). Queries that see nothing
     (padding) return zeros. Output is ``[T, heads, D]`` in q's dtype.
 
     Per sequence, not per step: queries are gathered into ``[S, Q]`` rows (Q = the step's
@@ -225,10 +236,16 @@ def paged_attention(
         lookback = recent_window if window is None else min(window, recent_window)
         segments = [
             (codec, cache, _Segment(qs, block_tables, seq_lens, block_size, kv_heads, window,
-                                    recent_window, window, hi=first_recent - 1)),
+                                    recent_window, window, hi=first_recent - 1,
+                                    keys_from=sink_tokens)),
             (plain, recent_cache, _Segment(qs, recent_block_tables, seq_lens, block_size,
-                                           kv_heads, lookback, 0, window, lo=first_recent)),
+                                           kv_heads, lookback, 0, window, lo=first_recent,
+                                           keys_from=sink_tokens)),
         ]  # fmt: skip
+        if sink_tokens:
+            segments.append((plain, recent_cache, _Segment(
+                qs, recent_block_tables, seq_lens, block_size, kv_heads, window=window,
+                keys_below=sink_tokens)))  # fmt: skip
     else:
         segments = [
             (codec, cache, _Segment(qs, block_tables, seq_lens, block_size, kv_heads, window,

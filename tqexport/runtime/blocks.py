@@ -3,7 +3,7 @@
 Each cache group (the caches sharing one window, see ``ModelSpec.groups``) has its own block
 count, a free list over blocks 1..n-1 (block 0 is the null block, never handed out) and its own
 block table per sequence. A sliding-window group replaces blocks that no future query can see
-by the null block and frees them (vLLM's scheme).
+by the null block and frees them (vLLM's scheme); a recent group keeps its sink blocks.
 """
 
 from __future__ import annotations
@@ -35,12 +35,15 @@ class GroupAllocator:
             table.append(self.free.popleft())
 
     def drop_out_of_window(self, table: list[int], next_query_pos: int) -> None:
-        """Free blocks whose every position is invisible to queries at >= next_query_pos."""
+        """Free blocks whose every position is invisible to queries at >= next_query_pos (a
+        recent group's sink blocks, the sequence's first, stay: every query reads them)."""
         w = self.group.window
         if w is None:
             return
         for i, block in enumerate(table):
             last_pos = (i + 1) * self.block_size - 1
+            if i < self.group.sink_blocks:
+                continue
             if block != NULL_BLOCK and last_pos <= next_query_pos - w:
                 self.free.append(block)
                 table[i] = NULL_BLOCK

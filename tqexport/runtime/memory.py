@@ -8,6 +8,7 @@ import re
 from tqexport import validate
 from tqexport.contract.artifact import Artifact
 from tqexport.errors import TQExportError
+from tqexport.kvquant.transforms import key_transform_label
 from tqexport.runtime.config import DEFAULT_KV_CACHE_MEMORY
 from tqexport.spec import ModelSpec
 
@@ -115,15 +116,18 @@ def allocation(spec: ModelSpec, per_group: list[int]) -> dict:
             "bytes_per_token": la.cache.bytes_per_token,
             "recent_window": la.recent_window,
             "recent_group": la.recent_group,
-            "key_transform": "+".join(la.key_transform.kinds) if la.key_transform else None,
+            "sink_tokens": la.sink_tokens,
+            "key_transform": key_transform_label(la.key_transform.kinds)
+            if la.key_transform
+            else None,
             "blocks": per_group[la.group],
             "bytes": sum(per_group[b.group] * b.cache.page_size_bytes for b in la.bindings),
         }
         for la in spec.layers
     ]
     groups = [
-        {"id": g.id, "window": g.window, "recent": g.recent, "layers": list(g.layers),
-         "blocks": per_group[g.id] - 1}
+        {"id": g.id, "window": g.window, "recent": g.recent, "sink_tokens": g.sink_tokens,
+         "layers": list(g.layers), "blocks": per_group[g.id] - 1}
         for g in spec.groups
     ]  # fmt: skip
     summary = {

@@ -107,12 +107,14 @@ def _attend(
     NC: tl.constexpr, NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr,
     SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr,
     INLINE: tl.constexpr, E5M2: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
-    recent_window, PART: tl.constexpr, NG: tl.constexpr,
+    recent_window, sink_tokens, PART: tl.constexpr, NG: tl.constexpr,
 ):  # fmt: skip
     """One (token, kv head, split): online-softmax (acc [G, D], max [G], sum [G]) over its pages.
 
     PART 0: every visible key; 1: only keys older than the recent window (positions
-    <= p - recent_window); 2: only keys inside it (read from the recent cache)."""
+    <= p - recent_window) and not sink tokens (>= sink_tokens); 2: only keys inside it and
+    not sink tokens (read from the recent cache); 3: only the sink tokens (< sink_tokens, read
+    from the recent cache)."""
     # which sequence this token belongs to: how many sequences end at or before it
     seq = 0
     for i in range(0, num_seqs):
@@ -123,8 +125,11 @@ def _attend(
     lo = tl.where(window > 0, tl.maximum(p - window + 1, 0), 0)
     if PART == 1:
         hi = tl.minimum(hi, tl.maximum(p - recent_window + 1, 0))
+        lo = tl.maximum(lo, sink_tokens)
     if PART == 2:
-        lo = tl.maximum(lo, p - recent_window + 1)
+        lo = tl.maximum(tl.maximum(lo, p - recent_window + 1), sink_tokens)
+    if PART == 3:
+        hi = tl.minimum(hi, sink_tokens)
     lo = tl.minimum(lo, hi)
     first = lo // BS
     n_pages = tl.where(hi > lo, (hi - 1) // BS - first + 1, 0)
@@ -215,15 +220,16 @@ def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, pos_ptr,
     rot_ptr, cent_ptr, fp8_ptr, rk_ptr, rv_ptr, recent_tables_ptr, partial_ptr,
     num_seqs, max_blocks, max_recent_blocks, k_scale, v_scale, sm_scale, softcap, window,
-    recent_window,
+    recent_window, sink_tokens,
     H: tl.constexpr, KVH: tl.constexpr, GROUPS: tl.constexpr, G: tl.constexpr,
     D: tl.constexpr, BS: tl.constexpr, MODE: tl.constexpr, NSPLIT: tl.constexpr,
     SLOT: tl.constexpr, KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
     NC: tl.constexpr, NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr,
     SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr, RECENT: tl.constexpr, NG: tl.constexpr,
 ):  # fmt: skip
-    """Split ``split`` of one (token, kv head); with RECENT, keys inside the recent window come
-    from the model-dtype recent cache (``rk_ptr``/``rv_ptr`` paged by ``recent_tables_ptr``)."""
+    """Split ``split`` of one (token, kv head); with RECENT, keys inside the recent window and
+    the first ``sink_tokens`` come from the model-dtype recent cache (``rk_ptr``/``rv_ptr``
+    paged by ``recent_tables_ptr``)."""
     t = tl.program_id(0)
     split = tl.program_id(2)
     acc, m, l_sum = _attend(
@@ -234,20 +240,23 @@ def paged_attention_kernel(
         KVH=KVH, GROUPS=GROUPS, G=G, D=D, BS=BS, MODE=MODE, NSPLIT=NSPLIT, SLOT=SLOT,
         KEY_BITS=KEY_BITS, VAL_BITS=VAL_BITS, KEY_FP8=KEY_FP8, NC=NC, NORM_OFF=NORM_OFF,
         VAL_OFF=VAL_OFF, SCALE_OFF=SCALE_OFF, ZERO_OFF=ZERO_OFF, INLINE=False, E5M2=False,
-        INV_SQRT=0.0, CENT=None, recent_window=recent_window, PART=1 if RECENT else 0, NG=NG,
+        INV_SQRT=0.0, CENT=None, recent_window=recent_window, sink_tokens=sink_tokens,
+        PART=1 if RECENT else 0, NG=NG,
     )  # fmt: skip
-    if RECENT:  # the recent window's keys, from the model-dtype cache, merged in
-        acc2, m2, l2 = _attend(
-            t=t, kvh=tl.program_id(1), split=split, q_ptr=q_ptr, k_ptr=rk_ptr, v_ptr=rv_ptr,
-            block_tables_ptr=recent_tables_ptr, qsl_ptr=qsl_ptr, pos_ptr=pos_ptr, rot_ptr=rot_ptr,
-            cent_ptr=cent_ptr, fp8_ptr=fp8_ptr, num_seqs=num_seqs, max_blocks=max_recent_blocks,
-            k_scale=1.0, v_scale=1.0, sm_scale=sm_scale, softcap=softcap, window=window, H=H,
-            KVH=KVH, GROUPS=GROUPS, G=G, D=D, BS=BS, MODE=0, NSPLIT=NSPLIT, SLOT=1,
-            KEY_BITS=KEY_BITS, VAL_BITS=VAL_BITS, KEY_FP8=False, NC=False, NORM_OFF=0, VAL_OFF=0,
-            SCALE_OFF=0, ZERO_OFF=0, INLINE=False, E5M2=False, INV_SQRT=0.0, CENT=None,
-            recent_window=recent_window, PART=2, NG=1,
-        )  # fmt: skip
-        acc, m, l_sum = _merge_states(acc, m, l_sum, acc2, m2, l2)
+    if RECENT:  # the recent window's keys, then the sink tokens', from the model-dtype cache
+        for part in tl.static_range(2, 4):
+            acc2, m2, l2 = _attend(
+                t=t, kvh=tl.program_id(1), split=split, q_ptr=q_ptr, k_ptr=rk_ptr, v_ptr=rv_ptr,
+                block_tables_ptr=recent_tables_ptr, qsl_ptr=qsl_ptr, pos_ptr=pos_ptr,
+                rot_ptr=rot_ptr, cent_ptr=cent_ptr, fp8_ptr=fp8_ptr, num_seqs=num_seqs,
+                max_blocks=max_recent_blocks, k_scale=1.0, v_scale=1.0, sm_scale=sm_scale,
+                softcap=softcap, window=window, H=H, KVH=KVH, GROUPS=GROUPS, G=G, D=D, BS=BS,
+                MODE=0, NSPLIT=NSPLIT, SLOT=1, KEY_BITS=KEY_BITS, VAL_BITS=VAL_BITS,
+                KEY_FP8=False, NC=False, NORM_OFF=0, VAL_OFF=0, SCALE_OFF=0, ZERO_OFF=0,
+                INLINE=False, E5M2=False, INV_SQRT=0.0, CENT=None, recent_window=recent_window,
+                sink_tokens=sink_tokens, PART=part, NG=1,
+            )  # fmt: skip
+            acc, m, l_sum = _merge_states(acc, m, l_sum, acc2, m2, l2)
     gi = tl.arange(0, G)
     d = tl.arange(0, D)
     gmask = gi < GROUPS
@@ -269,10 +278,11 @@ def _attend_to_output(
     SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr, E5M2: tl.constexpr,
     K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
-    NG: tl.constexpr, RECENT_WINDOW: tl.constexpr,
+    NG: tl.constexpr, RECENT_WINDOW: tl.constexpr, SINK_TOKENS: tl.constexpr,
 ):  # fmt: skip
     """One split, tables in-kernel, acc / sum written to ``out`` in its dtype (no merge pass);
-    with RECENT_WINDOW, keys inside the window come from the model-dtype recent cache."""
+    with RECENT_WINDOW, keys inside the window (and the first SINK_TOKENS) come from the
+    model-dtype recent cache."""
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     acc, m, l_sum = _attend(
@@ -283,20 +293,23 @@ def _attend_to_output(
         GROUPS=GROUPS, G=G, D=D, BS=BS, MODE=MODE, NSPLIT=1, SLOT=SLOT, KEY_BITS=KEY_BITS,
         VAL_BITS=VAL_BITS, KEY_FP8=KEY_FP8, NC=NC, NORM_OFF=NORM_OFF, VAL_OFF=VAL_OFF,
         SCALE_OFF=SCALE_OFF, ZERO_OFF=ZERO_OFF, INLINE=True, E5M2=E5M2, INV_SQRT=INV_SQRT,
-        CENT=CENT, recent_window=RECENT_WINDOW, PART=1 if RECENT_WINDOW > 0 else 0, NG=NG,
+        CENT=CENT, recent_window=RECENT_WINDOW, sink_tokens=SINK_TOKENS,
+        PART=1 if RECENT_WINDOW > 0 else 0, NG=NG,
     )  # fmt: skip
-    if RECENT_WINDOW > 0:
-        acc2, m2, l2 = _attend(
-            t=t, kvh=kvh, split=0, q_ptr=q_ptr, k_ptr=rk_ptr, v_ptr=rv_ptr,
-            block_tables_ptr=recent_tables_ptr, qsl_ptr=qsl_ptr, pos_ptr=pos_ptr, rot_ptr=q_ptr,
-            cent_ptr=q_ptr, fp8_ptr=q_ptr, num_seqs=num_seqs, max_blocks=max_recent_blocks,
-            k_scale=1.0, v_scale=1.0, sm_scale=SM_SCALE, softcap=SOFTCAP, window=WINDOW, H=H,
-            KVH=KVH, GROUPS=GROUPS, G=G, D=D, BS=BS, MODE=0, NSPLIT=1, SLOT=1, KEY_BITS=KEY_BITS,
-            VAL_BITS=VAL_BITS, KEY_FP8=False, NC=False, NORM_OFF=0, VAL_OFF=0, SCALE_OFF=0,
-            ZERO_OFF=0, INLINE=True, E5M2=False, INV_SQRT=0.0, CENT=None,
-            recent_window=RECENT_WINDOW, PART=2, NG=1,
-        )  # fmt: skip
-        acc, m, l_sum = _merge_states(acc, m, l_sum, acc2, m2, l2)
+    if RECENT_WINDOW > 0:  # the recent window's keys, then any sink tokens'
+        for part in tl.static_range(2, 4 if SINK_TOKENS > 0 else 3):
+            acc2, m2, l2 = _attend(
+                t=t, kvh=kvh, split=0, q_ptr=q_ptr, k_ptr=rk_ptr, v_ptr=rv_ptr,
+                block_tables_ptr=recent_tables_ptr, qsl_ptr=qsl_ptr, pos_ptr=pos_ptr,
+                rot_ptr=q_ptr, cent_ptr=q_ptr, fp8_ptr=q_ptr, num_seqs=num_seqs,
+                max_blocks=max_recent_blocks, k_scale=1.0, v_scale=1.0, sm_scale=SM_SCALE,
+                softcap=SOFTCAP, window=WINDOW, H=H, KVH=KVH, GROUPS=GROUPS, G=G, D=D, BS=BS,
+                MODE=0, NSPLIT=1, SLOT=1, KEY_BITS=KEY_BITS, VAL_BITS=VAL_BITS, KEY_FP8=False,
+                NC=False, NORM_OFF=0, VAL_OFF=0, SCALE_OFF=0, ZERO_OFF=0, INLINE=True,
+                E5M2=False, INV_SQRT=0.0, CENT=None, recent_window=RECENT_WINDOW,
+                sink_tokens=SINK_TOKENS, PART=part, NG=1,
+            )  # fmt: skip
+            acc, m, l_sum = _merge_states(acc, m, l_sum, acc2, m2, l2)
     gi = tl.arange(0, G)
     d = tl.arange(0, D)
     gmask = gi < GROUPS
@@ -321,7 +334,7 @@ def trt_paged_attention_kernel(
     SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr, E5M2: tl.constexpr,
     K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
-    NG: tl.constexpr, RECENT_WINDOW: tl.constexpr,
+    NG: tl.constexpr, RECENT_WINDOW: tl.constexpr, SINK_TOKENS: tl.constexpr,
 ):  # fmt: skip
     """TensorRT order for separate K and V caches (fp8 bytes or the model dtype)."""
     _attend_to_output(
@@ -329,7 +342,7 @@ def trt_paged_attention_kernel(
         recent_v_ptr, recent_tables_ptr, num_seqs, max_blocks, max_recent_blocks, out_ptr, H,
         KVH, GROUPS, G, D, BS, MODE, SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NC, NORM_OFF, VAL_OFF,
         SCALE_OFF, ZERO_OFF, E5M2, K_SCALE, V_SCALE, SM_SCALE, SOFTCAP, WINDOW, INV_SQRT, CENT,
-        NG, RECENT_WINDOW,
+        NG, RECENT_WINDOW, SINK_TOKENS,
     )  # fmt: skip
 
 
@@ -345,7 +358,7 @@ def trt_paged_attention_tq_kernel(
     SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr, E5M2: tl.constexpr,
     K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
-    NG: tl.constexpr, RECENT_WINDOW: tl.constexpr,
+    NG: tl.constexpr, RECENT_WINDOW: tl.constexpr, SINK_TOKENS: tl.constexpr,
 ):  # fmt: skip
     """TensorRT order for a TurboQuant layer: K and V packed in ONE slot tensor."""
     _attend_to_output(
@@ -353,7 +366,7 @@ def trt_paged_attention_tq_kernel(
         recent_v_ptr, recent_tables_ptr, num_seqs, max_blocks, max_recent_blocks, out_ptr, H,
         KVH, GROUPS, G, D, BS, MODE, SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NC, NORM_OFF, VAL_OFF,
         SCALE_OFF, ZERO_OFF, E5M2, K_SCALE, V_SCALE, SM_SCALE, SOFTCAP, WINDOW, INV_SQRT, CENT,
-        NG, RECENT_WINDOW,
+        NG, RECENT_WINDOW, SINK_TOKENS,
     )  # fmt: skip
 
 
@@ -380,7 +393,7 @@ _PTRS = ("q_ptr", "k_ptr", "v_ptr", "block_tables_ptr", "seq_lens_ptr", "qsl_ptr
          "partial_ptr")  # fmt: skip
 _SCALARS = {"num_seqs": "i32", "max_blocks": "i32", "max_recent_blocks": "i32",
             "k_scale": "fp32", "v_scale": "fp32", "sm_scale": "fp32", "softcap": "fp32",
-            "window": "i32", "recent_window": "i32"}  # fmt: skip
+            "window": "i32", "recent_window": "i32", "sink_tokens": "i32"}  # fmt: skip
 
 
 def kernel_variants(
@@ -413,7 +426,7 @@ def _fp8_table(fmt_name: str, device: str) -> torch.Tensor:
 def paged_attention(
     codec: Codec, q, cache, block_tables, seq_lens, query_start_loc, positions,
     *, scale: float, softcap: float | None = None, window: int | None = None, splits: int = 2,
-    recent_cache=None, recent_block_tables=None, recent_window: int = 0,
+    recent_cache=None, recent_block_tables=None, recent_window: int = 0, sink_tokens: int = 0,
 ):  # fmt: skip
     """Same contract as :func:`tqexport.ops.reference.paged_attention`."""
     tokens, heads, d = q.shape
@@ -447,7 +460,7 @@ def paged_attention(
         q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens,
         query_start_loc, positions, rot, cent, fp8, rk, rv, recent_tables, partial,
         block_tables.shape[0], block_tables.shape[1], recent_tables.shape[1], k_scale, v_scale,
-        scale, float(softcap or 0.0), int(window or 0), int(recent_window),
+        scale, float(softcap or 0.0), int(window or 0), int(recent_window), int(sink_tokens),
         H=heads, KVH=kvh, GROUPS=groups, G=triton.next_power_of_2(groups), D=d, BS=bs,
         NSPLIT=splits, **kw, RECENT=bool(recent_window),
     )  # fmt: skip
@@ -458,7 +471,7 @@ def paged_attention(
 
 def trt_kernel_variant(
     codec: Codec, heads: int, kv_heads: int, block_size: int, model_dtype: str,
-    *, scale: float, softcap: float, window: int, recent_window: int = 0,
+    *, scale: float, softcap: float, window: int, recent_window: int = 0, sink_tokens: int = 0,
 ):  # fmt: skip
     """(kernel, signature, constexprs) of the TensorRT-order entry point for one layer."""
     x = "*" + TRITON_TYPES[model_dtype]
@@ -468,7 +481,8 @@ def trt_kernel_variant(
                   D=codec.head_size, BS=block_size, **layout, E5M2=False, K_SCALE=1.0,
                   V_SCALE=1.0, SM_SCALE=as_fp32(scale), SOFTCAP=as_fp32(softcap or 0.0),
                   WINDOW=int(window or 0), INV_SQRT=0.0, CENT=None,
-                  RECENT_WINDOW=int(recent_window))  # fmt: skip
+                  RECENT_WINDOW=int(recent_window),
+                  SINK_TOKENS=int(sink_tokens))  # fmt: skip
     steps = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
              "pos_ptr": "*i64", "recent_k_ptr": x, "recent_v_ptr": x,
              "recent_tables_ptr": "*i32", "num_seqs": "i32", "max_blocks": "i32",
