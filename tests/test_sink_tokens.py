@@ -105,3 +105,13 @@ def test_executor_keeps_sink_blocks_through_recycling(llama):
     tokens = seq.prompt + seq.output
     logits = prefill_chunks(llama, spec, tokens[:-1], 59, num_blocks=8).logits
     assert assert_greedy(logits[19:], seq.output) > 30
+
+
+def test_the_op_refuses_sink_tokens_without_a_recent_window():
+    from tqexport.kvquant.codecs import make_codec
+    from tqexport.ops import reference
+
+    codec = make_codec("fp8", 64, model_dtype="float32")
+    with pytest.raises(ValueError, match="sink tokens are read from the recent cache"):
+        reference.paged_attention(codec, None, None, None, None, None, None, scale=1.0,
+                                  sink_tokens=4)  # fmt: skip

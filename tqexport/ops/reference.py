@@ -225,6 +225,8 @@ def paged_attention(
     codec's factored form (:meth:`Codec.attention_operands`; TurboQuant: scored in the rotated
     basis, values applied as codes).
     """
+    if sink_tokens and not recent_window:
+        raise ValueError("sink tokens are read from the recent cache: give a recent_window")
     heads, head_size = q.shape[1], q.shape[2]
     block_size, kv_heads = cache[0].shape[1], cache[0].shape[2]
     groups = heads // kv_heads

@@ -429,6 +429,8 @@ def paged_attention(
     recent_cache=None, recent_block_tables=None, recent_window: int = 0, sink_tokens: int = 0,
 ):  # fmt: skip
     """Same contract as :func:`tqexport.ops.reference.paged_attention`."""
+    if sink_tokens and not recent_window:
+        raise ValueError("sink tokens are read from the recent cache: give a recent_window")
     tokens, heads, d = q.shape
     splits = triton.next_power_of_2(max(1, splits))  # the merge kernel ranges over splits
     kvh, bs = cache[0].shape[2], cache[0].shape[1]
