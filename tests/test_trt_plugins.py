@@ -496,7 +496,7 @@ def fake_trt(monkeypatch):
 
 def test_plugin_glue_binds_what_tensorrt_passes(fake_trt):
     api = fake_trt
-    assert len(api.defs) == 18  # six plugins x (register, aot_impl, impl)
+    assert len(api.defs) == 24  # eight plugins x (register, aot_impl, impl)
     a = attrs("turboquant_4bit_nc", kvh=2, heads=4)
     names = list(contract.PAGED_ATTENTION_ATTRS)
     reg = api.defs[("register", "tqexport::PagedAttentionSlot")]
