@@ -63,9 +63,20 @@ def test_graph_shape_per_layer(artifacts):
 
 
 def test_calibrated_scales_land_in_spec_and_nodes(artifacts):
-    art = open_artifact(artifacts("tiny-llama", "fp8", (), kv_scales="calibrate"))
-    scales = [(la.cache.k_scale, la.cache.v_scale) for la in art.spec.layers]
-    assert len(set(scales)) == len(scales) and all(k != 1.0 for k, _ in scales)
+    # two fp8 layers: each calibrated layer is a body variant of its own (its scales are baked in)
+    art = open_artifact(artifacts("tiny-llama", "fp8", ("0-3",), kv_scales="calibrate"))
+    caches = [la.cache for la in art.spec.layers]
+    assert [c.kv_cache_dtype for c in caches] == ["auto"] * 4 + ["fp8"] * 2
+    assert {(c.k_scale, c.v_scale) for c in caches[:4]} == {(1.0, 1.0)}
+    scales = [(c.k_scale, c.v_scale) for c in caches[4:]]
+    assert len(set(scales)) == 2 and all(k != 1.0 and v != 1.0 for k, v in scales)
+    graph = onnx.load(str(art.model_file), load_external_data=False).graph
+    on_nodes = {}
+    for node in graph.node:
+        if node.domain == "tqexport":
+            a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
+            on_nodes.setdefault(a["layer"], set()).add((a["k_scale"], a["v_scale"]))
+    assert on_nodes == {i: {(c.k_scale, c.v_scale)} for i, c in enumerate(caches)}
     assert run_parity(art, steps=1, prompt_len=12, batch=2).ok
 
 

@@ -161,17 +161,19 @@ def calibrate_key_transforms(
 
 
 def calibrate_scales(lm: LoadedModel, spec: ModelSpec, text: str, max_tokens: int = 512):
-    """Per-layer (k_scale, v_scale) from one prefill of ``text``, vLLM's rule (max|x| / range)."""
+    """Per-layer (k_scale, v_scale) from one prefill of ``text``, vLLM's rule (max|x| / range),
+    each rounded to a float32: the value a node attribute (and so a plugin) carries exactly."""
     amax: dict[int, list[float]] = {}
 
     def observe(layer, k, v):
         amax[layer.index] = [float(k.abs().max()), float(v.abs().max())]
 
     _prefill(lm, spec, _tokens(lm, spec, text, max_tokens), observer=observe)
-    return {
-        i: (max(k / K_SCALE_RANGE, 1e-8), max(v / V_SCALE_RANGE, 1e-8))
-        for i, (k, v) in amax.items()
-    }
+
+    def f32(x: float) -> float:
+        return float(torch.tensor(max(x, 1e-8), dtype=torch.float32))
+
+    return {i: (f32(k / K_SCALE_RANGE), f32(v / V_SCALE_RANGE)) for i, (k, v) in amax.items()}
 
 
 def _save_tokenizer(lm: LoadedModel, target: Path) -> None:
