@@ -271,3 +271,61 @@ def test_quality_configs_score_key_transforms_on_native_turboquant_only():
         ("tqx_k4v4 no-boundary recent 32", "none"),
         ("tqx_k4v4 no-boundary recent 32 keys center+signs", "center+signs"),
     ]
+
+
+def _part(chunk_tokens, runs, peer=None):
+    return {
+        "quality": {
+            "model": "m",
+            "text": {"name": "t", "characters": 9, "sha256": "abc", "python": "3.11"},
+            "chunking": {"chunk_tokens": chunk_tokens, "chunks": 1, "text_tokens": 5000},
+            "baseline": {"label": "auto", "kv_cache_dtype": "auto", "ppl": 10.0,
+                         "bits_per_element": 16.0},
+            "runs": [{"kv_cache_dtype": r[0].split()[0], "label": r[0], "ppl": r[1],
+                      "bits_per_element": r[2]} for r in runs],
+        },
+        "peer": peer,
+        "peer_note": None if peer else "not run (--no-peer)",
+    }  # fmt: skip
+
+
+def test_report_gives_each_window_size_its_section_and_goals(tmp_path):
+    parts = [
+        _part(1024, [("fp8", 10.01, 8.0)]),
+        _part(4096, [("tqx_k4v4 recent 24 sink 8", 10.07, 4.5), ("tqx_k3v3", 10.1, 3.375)]),
+        _part(1024, [("turboquant_4bit_nc", 10.5, 4.375)]),
+        _part(4096, [("turboquant_3bit_nc", 10.03, 3.375), ("tqx_k4v4", 10.05, 4.625)]),
+    ]
+    main, *others = report.split_by_chunking(parts)
+    assert [len(main), [len(g) for g in others]] == [2, [2]]
+    sections = [report.quality_section(g, "m") for g in others]
+    assert sections[0]["chunk_tokens"] == 4096
+    labels = [r["label"] for r in sections[0]["rows"]]
+    assert labels == ["auto", "tqx_k4v4 recent 24 sink 8", "tqx_k3v3", "turboquant_3bit_nc",
+                      "tqx_k4v4"]  # fmt: skip
+    # the best native configuration within each budget (not vLLM's preset, nor 4.625 bits)
+    long_goals = report.goals([], None, sections)[-2:]
+    assert [(g["met"], g["detail"]) for g in long_goals] == [
+        (False, "best: tqx_k4v4 recent 24 sink 8 at 4.500 bits, +0.70%"),
+        (True, "best: tqx_k3v3 at 3.375 bits, +1.00%"),
+    ]
+    assert len(report.goals([], None, sections)) == len(report.goals([], None)) + 2
+    rows = report.with_deltas(report.merge_quality(main, "m")[0], None)
+    results = {"model": "m", "command": "c", "rows": rows, "quality_windows": sections,
+               "quality": report.merge_quality(main, "m")[0], "peer": None,
+               "peer_note": "not run (--no-peer)", "goals": long_goals,
+               "machine": dict.fromkeys(["cpu", "cores", "memory_gib", "os", "python", "torch",
+                                          "onnxruntime", "transformers"], "x")}  # fmt: skip
+    files = report.write(tmp_path, results)
+    assert {f.name for f in files} == {
+        "results.json",
+        "ppl_vs_bits.png",
+        "ppl_vs_bits_4096.png",
+        "report.md",
+    }
+    md = (tmp_path / "report.md").read_text()
+    assert md.index("## Quality\n") < md.index("## Quality at 4096-token windows\n")
+    tail = md[md.index("## Quality at 4096-token windows") :]
+    assert "the first 1 windows of 4096 tokens" in tail and "| tqexport | tqx_k3v3 | 3.38 |" in tail
+    assert "turboquant_4bit_nc" not in tail and "![PPL change vs bits per element]" in tail
+    assert "costs <= 0.6% perplexity: **NOT MET**" in md

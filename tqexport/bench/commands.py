@@ -200,7 +200,9 @@ def bench_report(
     quality_json: Annotated[
         list[Path] | None,
         typer.Option(
-            help="Reuse `bench quality MODEL --json` outputs (repeatable) instead of rerunning."
+            help="Reuse `bench quality MODEL --json` outputs (repeatable) instead of rerunning; "
+            "parts scored on other windows than the first (e.g. --chunk 4096) get sections of "
+            "their own."
         ),
     ] = None,
 ):
@@ -233,7 +235,9 @@ def bench_report(
         ):
             ours, peer_result, note = _quality(model, configs, None, 1024, chunks, peer)
             parts.append({"quality": ours, "peer": peer_result, "peer_note": note})
-    ours, peer_result, note = report.merge_quality(parts, model)
+    main, *others = report.split_by_chunking(parts)
+    ours, peer_result, note = report.merge_quality(main, model)
+    windows = [report.quality_section(group, model) for group in others]
     speed = matrix.run_speed(
         model, None, contexts, batches, 4, DEFAULT_KV_CACHE_MEMORY, workdir, _say, "0,32"
     )
@@ -246,11 +250,14 @@ def bench_report(
         "peer": peer_result,
         "peer_note": note,
         "rows": rows,
+        "quality_windows": windows,
         "speed": speed,
-        "goals": report.goals(rows, speed),
+        "goals": report.goals(rows, speed, windows),
     }
     files = report.write(out, results)
     _print_quality(ours, rows, note)
+    for sec in windows:
+        _print_quality(sec["quality"], sec["rows"], sec["peer_note"])
     _print_speed(speed)
     for g in results["goals"]:
         verdict = {True: "MET", False: "NOT MET", None: "NOT MEASURED"}[g["met"]]

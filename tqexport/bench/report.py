@@ -65,6 +65,28 @@ def merge_quality(parts: list[dict], model: str) -> tuple[dict, dict | None, str
     return merged, peer, None if peer else note
 
 
+def split_by_chunking(parts: list[dict]) -> list[list[dict]]:
+    """``bench quality --json`` parts grouped by their windows (same chunking together), in the
+    order each chunking first appears: each group is one quality section of the report."""
+    groups: dict[str, list[dict]] = {}
+    for part in parts:
+        key = json.dumps(part["quality"]["chunking"], sort_keys=True)
+        groups.setdefault(key, []).append(part)
+    return list(groups.values())
+
+
+def quality_section(parts: list[dict], model: str) -> dict:
+    """One report section (windows of one size): the merged result, its peer and its rows."""
+    merged, peer, note = merge_quality(parts, model)
+    return {
+        "chunk_tokens": merged["chunking"]["chunk_tokens"],
+        "quality": merged,
+        "peer": peer,
+        "peer_note": note,
+        "rows": with_deltas(merged, peer),
+    }
+
+
 def with_deltas(quality: dict | None, peer: dict | None) -> list[dict]:
     """Every quality row with its PPL change vs its own tool's baseline, ours first."""
     rows = []
@@ -84,8 +106,43 @@ def _find(rows, tool, label):
     return next((r for r in rows if r["tool"] == tool and r["label"] == label), None)
 
 
-def goals(rows: list[dict], speed: dict | None) -> list[dict]:
-    """The report issue's goals, each stated as met, not met, or not measured."""
+#: the long-context goals: (window tokens, bits per element at most, perplexity change at most)
+LONG_WINDOW_GOALS = ((4096, 4.5, 0.6), (4096, 3.5, 1.5))
+
+
+def _native(row: dict) -> bool:
+    from tqexport.kvquant.modes import parse_kv_cache_dtype
+
+    return row["tool"] == "tqexport" and parse_kv_cache_dtype(row["kv_cache_dtype"]).native
+
+
+def long_window_goals(sections: list[dict]) -> list[dict]:
+    """The key-transform issue's goals at long windows: the best tqexport-native configuration
+    within each bit budget, from the section scored at that window size."""
+    out = []
+    for tokens, max_bits, max_pct in LONG_WINDOW_GOALS:
+        goal = (
+            f"at {tokens}-token windows, a tqexport-native configuration at <= {max_bits} bits "
+            f"per element all in costs <= {max_pct}% perplexity"
+        )
+        rows = next((s["rows"] for s in sections if s["chunk_tokens"] == tokens), [])
+        fits = [r for r in rows if _native(r) and r["bits_per_element"] <= max_bits + 1e-9]
+        if not fits:
+            out.append({"goal": goal, "met": None, "detail": "not measured in this run"})
+            continue
+        best = min(fits, key=lambda r: r["ppl_delta_pct"])
+        out.append({
+            "goal": goal,
+            "met": best["ppl_delta_pct"] <= max_pct,
+            "detail": f"best: {best['label']} at {best['bits_per_element']:.3f} bits, "
+            f"{best['ppl_delta_pct']:+.2f}%",
+        })  # fmt: skip
+    return out
+
+
+def goals(rows: list[dict], speed: dict | None, sections: list[dict] = ()) -> list[dict]:
+    """The report issues' goals, each stated as met, not met, or not measured; ``sections``
+    are the quality sections at other window sizes (their goals only when given)."""
     out = []
     for ours, theirs in (("turboquant_4bit_nc", "q4_0"), ("fp8", "q8_0")):
         a, b = _find(rows, "tqexport", ours), _find(rows, "llama.cpp", theirs)
@@ -119,7 +176,7 @@ def goals(rows: list[dict], speed: dict | None) -> list[dict]:
             "met": worst < 0.01,
             "detail": f"largest relative gap {100 * worst:.2f}% (whole blocks and the null block)",
         })  # fmt: skip
-    return out
+    return out + (long_window_goals(sections) if sections else [])
 
 
 def plot_quality(rows: list[dict], path: Path) -> None:
@@ -180,6 +237,63 @@ def _md_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def _plot_name(section: dict) -> str:
+    return f"ppl_vs_bits_{section['chunk_tokens']}.png"
+
+
+def _quality_markdown(title, q, rows, peer, note, plot) -> list[str]:
+    """One quality section: the text and windows it was scored on, the peer, the table."""
+    t, c = q["text"], q["chunking"]
+    parts = [
+        "",
+        f"## {title}",
+        "",
+        f"Text: {t['name']}, {t['characters']} characters, SHA-256 `{t['sha256']}` "
+        f"(Python {t['python']}). {c['text_tokens']} tokens (HF tokenizer, no special tokens);"
+        f" the first {c['chunks']} windows of {c['chunk_tokens']} tokens, each scored from an "
+        f"empty cache: {c['chunks'] * (c['chunk_tokens'] - 1)} predictions. Ours run through "
+        "the executor's paged caches (every position's logits, attention reads the cache); "
+        "KL is KL(baseline || run) per next-token distribution, averaged; top-1 is argmax "
+        "agreement with the same tool's own unquantized baseline. Bits per element are all "
+        "in: every layer's K and V bytes per token (unquantized boundary layers counted at "
+        "16 bits, as deployed; the CPU runs themselves are fp32) plus a recent window's "
+        "16-bit bytes amortized over a 4096-token context, over the K and V elements.",
+        "",
+    ]
+    if peer:
+        parts += [f"Peer: {peer['tool']} on {peer['gguf']}, same token "
+                  "ids, flash attention on.", ""]  # fmt: skip
+    elif note:
+        parts += [f"Peer: {note}", ""]
+    parts.append(
+        _md_table(
+            [
+                "tool",
+                "configuration",
+                "bits/elem all in",
+                "PPL",
+                "PPL change",
+                "mean KL",
+                "top-1",
+            ],
+            [
+                [
+                    r["tool"],
+                    r["label"],
+                    f"{r['bits_per_element']:.2f}",
+                    f"{r['ppl']:.4f}",
+                    f"{r['ppl_delta_pct']:+.2f}%",
+                    f"{r.get('kl', 0):.5f}",
+                    f"{100 * r.get('top1', 1):.2f}%",
+                ]
+                for r in rows
+            ],
+        )  # fmt: skip
+    )
+    parts += ["", f"![PPL change vs bits per element]({plot})"]
+    return parts
+
+
 def markdown(results: dict) -> str:
     m, q, rows, speed = (
         results["machine"],
@@ -199,54 +313,14 @@ def markdown(results: dict) -> str:
         f"{m['transformers']}.",
     ]
     if q:
-        t, c = q["text"], q["chunking"]
-        parts += [
-            "",
-            "## Quality",
-            "",
-            f"Text: {t['name']}, {t['characters']} characters, SHA-256 `{t['sha256']}` "
-            f"(Python {t['python']}). {c['text_tokens']} tokens (HF tokenizer, no special tokens);"
-            f" the first {c['chunks']} windows of {c['chunk_tokens']} tokens, each scored from an "
-            f"empty cache: {c['chunks'] * (c['chunk_tokens'] - 1)} predictions. Ours run through "
-            "the executor's paged caches (every position's logits, attention reads the cache); "
-            "KL is KL(baseline || run) per next-token distribution, averaged; top-1 is argmax "
-            "agreement with the same tool's own unquantized baseline. Bits per element are all "
-            "in: every layer's K and V bytes per token (unquantized boundary layers counted at "
-            "16 bits, as deployed; the CPU runs themselves are fp32) plus a recent window's "
-            "16-bit bytes amortized over a 4096-token context, over the K and V elements.",
-            "",
-        ]
-        if results.get("peer"):
-            parts += [f"Peer: {results['peer']['tool']} on {results['peer']['gguf']}, same token "
-                      "ids, flash attention on.", ""]  # fmt: skip
-        elif results.get("peer_note"):
-            parts += [f"Peer: {results['peer_note']}", ""]
-        parts.append(
-            _md_table(
-                [
-                    "tool",
-                    "configuration",
-                    "bits/elem all in",
-                    "PPL",
-                    "PPL change",
-                    "mean KL",
-                    "top-1",
-                ],
-                [
-                    [
-                        r["tool"],
-                        r["label"],
-                        f"{r['bits_per_element']:.2f}",
-                        f"{r['ppl']:.4f}",
-                        f"{r['ppl_delta_pct']:+.2f}%",
-                        f"{r.get('kl', 0):.5f}",
-                        f"{100 * r.get('top1', 1):.2f}%",
-                    ]
-                    for r in rows
-                ],
-            )  # fmt: skip
+        parts += _quality_markdown(
+            "Quality", q, rows, results.get("peer"), results.get("peer_note"), "ppl_vs_bits.png"
         )
-        parts += ["", "![PPL change vs bits per element](ppl_vs_bits.png)"]
+    for sec in results.get("quality_windows", []):
+        parts += _quality_markdown(
+            f"Quality at {sec['chunk_tokens']}-token windows", sec["quality"], sec["rows"],
+            sec["peer"], sec["peer_note"], _plot_name(sec),
+        )  # fmt: skip
     if speed:
         d = speed["decode"]
         names = list(d[0]["ms_per_step"])
@@ -314,6 +388,9 @@ def write(out_dir: Path, results: dict) -> list[Path]:
     if results["rows"]:
         plot_quality(results["rows"], out_dir / "ppl_vs_bits.png")
         files.append(out_dir / "ppl_vs_bits.png")
+    for sec in results.get("quality_windows", []):
+        plot_quality(sec["rows"], out_dir / _plot_name(sec))
+        files.append(out_dir / _plot_name(sec))
     if results.get("speed"):
         plot_speed(results["speed"], out_dir / "decode_vs_context.png")
         files.append(out_dir / "decode_vs_context.png")
