@@ -310,10 +310,11 @@ def test_report_gives_each_window_size_its_section_and_goals(tmp_path):
         (True, "best: tqx_k3v3 at 3.375 bits, +1.00%"),
     ]
     assert len(report.goals([], None, sections)) == len(report.goals([], None)) + 2
-    rows = report.with_deltas(report.merge_quality(main, "m")[0], None)
-    results = {"model": "m", "command": "c", "rows": rows, "quality_windows": sections,
-               "quality": report.merge_quality(main, "m")[0], "peer": None,
-               "peer_note": "not run (--no-peer)", "goals": long_goals,
+    first = report.quality_section(main, "m")
+    assert [r["label"] for r in first["rows"]] == ["auto", "fp8", "turboquant_4bit_nc"]
+    results = {"model": "m", "command": "c", "rows": first["rows"], "quality_windows": sections,
+               "quality": first["quality"], "peer": None,
+               "peer_note": first["peer_note"], "goals": long_goals,
                "machine": dict.fromkeys(["cpu", "cores", "memory_gib", "os", "python", "torch",
                                           "onnxruntime", "transformers"], "x")}  # fmt: skip
     files = report.write(tmp_path, results)

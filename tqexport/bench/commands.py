@@ -235,13 +235,11 @@ def bench_report(
         ):
             ours, peer_result, note = _quality(model, configs, None, 1024, chunks, peer)
             parts.append({"quality": ours, "peer": peer_result, "peer_note": note})
-    main, *others = report.split_by_chunking(parts)
-    ours, peer_result, note = report.merge_quality(main, model)
-    windows = [report.quality_section(group, model) for group in others]
+    main, *windows = [report.quality_section(g, model) for g in report.split_by_chunking(parts)]
+    ours, peer_result, note, rows = (main[k] for k in ("quality", "peer", "peer_note", "rows"))
     speed = matrix.run_speed(
         model, None, contexts, batches, 4, DEFAULT_KV_CACHE_MEMORY, workdir, _say, "0,32"
     )
-    rows = report.with_deltas(ours, peer_result)
     results = {
         "model": model,
         "command": "tqexport bench report " + " ".join(sys.argv[3:]),
