@@ -65,6 +65,12 @@ def replica_of(r: httpx.Response) -> tuple[str, int]:
     return rid, int(pid)
 
 
+def serving_replicas(base: str) -> set[tuple[str, int]]:
+    """The replicas that answered 4 concurrent one-token requests."""
+    rs = concurrently(base, 4, 1)
+    return {replica_of(r) for r in rs if isinstance(r, httpx.Response) and r.status_code == 200}
+
+
 def wait_serving(base: str, proc: subprocess.Popen, deadline: float) -> None:
     while True:
         assert proc.poll() is None, f"the server exited: {proc.stdout.read()}"
@@ -97,6 +103,11 @@ def test_two_replicas_share_load_and_survive_a_killed_replica(texty):
         start = time.monotonic()
         wait_serving(base, proc, start + START_TIMEOUT)
         up = time.monotonic() - start
+        # Ray's proxy learns of each running replica by a long poll: until it knows both, it
+        # routes everything to one. Bounded rounds of small requests until both have answered.
+        while len(serving_replicas(base)) < 2:
+            assert time.monotonic() < start + START_TIMEOUT, "one replica never served"
+            time.sleep(1)
 
         # 16 concurrent requests: every one succeeds, both replicas serve some
         first = concurrently(base, 16)
