@@ -205,8 +205,10 @@ def test_gathers_only_what_the_step_can_see():
 
 
 def test_invalid_rows_holding_nan_change_nothing():
-    """Bytes beyond seq_len, in the null block or past a short table decode to NaN/inf
-    (0x7F fp8, 0x7E00 fp16, NaN floats): outputs are as if they were zeros, on ORT too."""
+    """Bytes beyond seq_len, in the null block's written row (padding) or past a short table
+    decode to NaN/inf (0x7F fp8, 0x7F7F fp16, NaN floats): outputs are as if they were zeros,
+    on ORT too. Keys that are not real read the null block's last row, which no write touches
+    and allocation zeroes; only that row must stay finite (shown poisoned last)."""
     g = torch.Generator().manual_seed(5)
     for dtype in ("auto", "fp8", "turboquant_4bit_nc", "int8_per_token_head"):
         codec = codec_for(dtype, 64, "float32", 1.0, 1.0)
@@ -215,8 +217,8 @@ def test_invalid_rows_holding_nan_change_nothing():
         poisoned = []
         for t in cache:
             t = t.clone()
-            bad = torch.full_like(t[0, 0], float("nan") if t.is_floating_point() else 0x7E)
-            t[0] = bad  # the null block
+            bad = torch.full_like(t[0, 0], float("nan") if t.is_floating_point() else 0x7F)
+            t[0, :-1] = bad  # the null block but its last row
             t[2, 4:] = bad  # sequence 0 holds 20 tokens: rows 4.. of its second block
             t[3, 7:] = bad  # sequence 1 holds 7
             poisoned.append(t)
@@ -226,6 +228,29 @@ def test_invalid_rows_holding_nan_change_nothing():
         assert torch.equal(clean, dirty), dtype
         got = single_node_session(dtype, dirty_in)(dirty_in)
         np.testing.assert_allclose(got, clean.numpy(), atol=1e-5, rtol=1e-4)
+        for t in poisoned:
+            t[0, -1] = torch.full_like(t[0, -1], float("nan") if t.is_floating_point() else 0x7F)
+        broken = reference.paged_attention(codec, *as_args(codec, dirty_in), scale=0.125)
+        assert not torch.equal(clean.nan_to_num(), broken.nan_to_num()), dtype
+
+
+@pytest.mark.parametrize("dtype", ["auto", "fp8", "turboquant_4bit_nc"])
+def test_block_size_1_zeroes_what_is_not_real(dtype):
+    """With blocks of one token the null block has no row that padding never writes: keys that
+    are not real are zeroed after the gather instead, so NaN there changes nothing either."""
+    g = torch.Generator().manual_seed(6)
+    codec = codec_for(dtype, 64, "float32", 1.0, 1.0)
+    batched, _ = decode_batch([5, 3], g, codec, bs=1)
+    assert batched[-4].shape == (2, 7)  # tables padded with the null block
+    poisoned = []
+    for t in batched[1:-4]:
+        t = t.clone()
+        t[0] = torch.full_like(t[0], float("nan") if t.is_floating_point() else 0x7F)
+        poisoned.append(t)
+    clean = reference.paged_attention(codec, *as_args(codec, batched), scale=0.125)
+    dirty_in = [batched[0], *poisoned, *batched[-4:]]
+    dirty = reference.paged_attention(codec, *as_args(codec, dirty_in), scale=0.125)
+    assert clean.isfinite().all() and torch.equal(clean, dirty)
 
 
 def test_decode_side_tables_equal_the_arithmetic_decoders():

@@ -11,6 +11,9 @@ Step contract (flattened tokens, vLLM style), for one layer of one cache group:
 ``slot_mapping [T]`` int64 (block * block_size + offset; < 0 = padding, written to the null
 block 0), ``block_tables [S, max_blocks]`` int32 (0 = null block), ``seq_lens [S]`` int32 (tokens
 cached after this step's write), ``query_start_loc [S+1]`` int32, ``positions [T]`` int64.
+Block 0's rows other than row 0 are never written: caches are allocated zeroed, and keys that
+are not real (past ``seq_len``, table padding) are read from its last row, so garbage bytes in
+recycled blocks never meet a probability of 0 (0 x NaN) and nothing gathered needs zeroing.
 """
 
 from __future__ import annotations
@@ -119,10 +122,15 @@ class _Segment:
         real = (block != 0).unsqueeze(2).expand(-1, -1, block_size).flatten(1)
         self.valid = real & (key_pos < seq_lens.unsqueeze(1))  # [S, C]: a real cached key
         heads = torch.arange(kv_heads, device=dev)
+        self.invalid = None
+        if block_size > 1:
+            # keys that are not real read the null block's last row, which no write touches
+            # (padding goes to row 0): zeros as allocated, so 0 x NaN never occurs and no
+            # gathered value needs zeroing
+            rows = torch.where(self.valid, rows, block_size - 1)
+        else:  # no such row: [S, KVH, C] positions of keys that are not real, zeroed later
+            self.invalid = torch.nonzero(~self.valid.unsqueeze(1).expand(-1, kv_heads, -1))
         self.index = rows.unsqueeze(1) * kv_heads + heads.unsqueeze(1)  # [S, KVH, C]
-        # [S, KVH, C] positions of keys that are not real: zeroed where their bytes could
-        # turn 0 x NaN into NaN (a scatter of zeros, cheaper than a select over every value)
-        self.invalid = torch.nonzero(~self.valid.unsqueeze(1).expand(-1, kv_heads, -1))
         kp, qp = key_pos.unsqueeze(1), qs.pos.unsqueeze(2)  # [S, 1, C], [S, Q, 1]
         seen = kp <= (qp if hi is None else torch.minimum(qp, hi))
         if window is not None:
@@ -136,15 +144,20 @@ class _Segment:
         self.seen = seen & self.valid.unsqueeze(1) & qs.ok.unsqueeze(2)  # [S, Q, C]
 
     def gather(self, codec: Codec, cache: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This segment's rows of every cache tensor: ``[S, KVH, C(, X)]``."""
+        """This segment's rows of every cache tensor: ``[S, KVH, C(, X)]`` (a row gather,
+        ONNX Gather, which ONNX Runtime runs faster than the GatherND of an indexing)."""
+        flat = self.index.flatten()
         return {
-            fmt.role: t.flatten(0, 2)[self.index]
+            fmt.role: t.flatten(0, 2).index_select(0, flat).unflatten(0, self.index.shape)
             for fmt, t in zip(codec.tensors, cache, strict=True)
         }
 
     def zero_invalid(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [S, KVH, C, ...]`` with the rows of keys that are not real set to 0."""
+        """``x [S, KVH, C, ...]`` with the rows of keys that are not real set to 0 (only
+        needed for block size 1: larger blocks read those keys from a zero row)."""
         i = self.invalid
+        if i is None:
+            return x
         zeros = x.new_zeros((i.shape[0], *x.shape[3:]))
         return x.index_put((i[:, 0], i[:, 1], i[:, 2]), zeros)
 
