@@ -33,26 +33,28 @@ demo: install
 	$(BIN)/tqexport run $(DEMO_DIR) --prompt "What is the capital of France?" --max-tokens 48
 
 # The quality/speed report for smollm2 in docs/report (installs the llama.cpp peer first: it
-# compiles, ~9 min). Four quality runs on 1024-token windows and three on one 4096-token window,
+# compiles, ~9 min). Four quality runs on 1024-token windows and five on one 4096-token window,
 # then speed + the report.
 REPORT_DIR := docs/report
 QUALITY := $(BIN)/tqexport bench quality smollm2 --chunks 8 --json
 # one 4096-token window (4095 predictions): the long-context section and goals
 QUALITY_4K := $(BIN)/tqexport bench quality smollm2 --chunk 4096 --chunks 1 --json
 VLLM_DTYPES := fp8,fp8_e5m2,int8_per_token_head,fp8_per_token_head,int4_per_token_head,nvfp4,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc
-TQ_DTYPES := turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,tqx_k4v4_g32,tqx_k4v3_g32
+TQ_DTYPES := turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,tqx_k4v4_g32,tqx_k4v3_g32,tqx_k4v3_mse,tqx_k4v2_mse
 
 bench: install
 	$(BIN)/python -m pip install --quiet -e '.[peers]'
 	mkdir -p $(REPORT_DIR)
 	$(QUALITY) --kv-cache-dtype $(VLLM_DTYPES) > $(REPORT_DIR)/quality.json
-	$(QUALITY) --kv-cache-dtype tqx_k4v4_g32,tqx_k4v3_g32 --no-peer > $(REPORT_DIR)/quality_native.json
+	$(QUALITY) --kv-cache-dtype tqx_k4v4_g32,tqx_k4v3_g32,tqx_k4v3_mse,tqx_k4v2_mse --no-peer > $(REPORT_DIR)/quality_native.json
 	$(QUALITY) --kv-cache-dtype $(TQ_DTYPES) --recent-window 32,128 --no-peer > $(REPORT_DIR)/quality_recent.json
 	$(QUALITY) --kv-cache-dtype fp8,fp8_e5m2,nvfp4 --kv-scales calibrate --no-peer > $(REPORT_DIR)/quality_calibrated.json
 	$(QUALITY_4K) --kv-cache-dtype fp8,turboquant_4bit_nc --recent-window 0,32,128 > $(REPORT_DIR)/quality_4096.json
 	$(QUALITY_4K) --kv-cache-dtype tqx_k4v4 --boundary off --recent-window 24 --kv-sink-tokens 8 --kv-key-transform center,center+signs,center+smooth --no-peer > $(REPORT_DIR)/quality_4096_k4.json
 	$(QUALITY_4K) --kv-cache-dtype tqx_k3v3 --boundary off --recent-window 28 --kv-sink-tokens 4 --kv-key-transform center,center+signs --no-peer > $(REPORT_DIR)/quality_4096_k3.json
-	$(BIN)/tqexport bench report smollm2 -o $(REPORT_DIR) $(foreach f,quality quality_native quality_recent quality_calibrated quality_4096 quality_4096_k4 quality_4096_k3,--quality-json $(REPORT_DIR)/$(f).json)
+	$(QUALITY_4K) --kv-cache-dtype tqx_k4v3_mse --boundary off --recent-window 184 --kv-sink-tokens 8 --kv-key-transform center --no-peer > $(REPORT_DIR)/quality_4096_mse45.json
+	$(QUALITY_4K) --kv-cache-dtype tqx_k4v2_mse --boundary off --recent-window 60 --kv-sink-tokens 4 --kv-key-transform center --no-peer > $(REPORT_DIR)/quality_4096_mse35.json
+	$(BIN)/tqexport bench report smollm2 -o $(REPORT_DIR) $(foreach f,quality quality_native quality_recent quality_calibrated quality_4096 quality_4096_k4 quality_4096_k3 quality_4096_mse45 quality_4096_mse35,--quality-json $(REPORT_DIR)/$(f).json)
 	$(BIN)/python benchmarks/codec_throughput.py
 
 # Opt-in, not part of `make test`: TurboQuant slot bytes against vLLM's own store kernel (its wheel

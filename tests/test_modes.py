@@ -16,7 +16,14 @@ VLLM_NAMES = [
 ]  # fmt: skip
 
 
-NATIVE_NAMES = ["tqx_k4v4_g32", "tqx_k4v3_g32", "tqx_k4v4", "tqx_k3v3"]
+NATIVE_NAMES = [
+    "tqx_k4v4_g32",
+    "tqx_k4v3_g32",
+    "tqx_k4v4",
+    "tqx_k3v3",
+    "tqx_k4v3_mse",
+    "tqx_k4v2_mse",
+]
 
 
 def test_registry_holds_the_vllm_names_then_the_native_ones():
@@ -90,4 +97,4 @@ def test_native_names_are_exactly_the_tqx_presets():
     from tqexport.kvquant.modes import KV_CACHE_DTYPES
 
     native = {n for n, e in KV_CACHE_DTYPES.items() if e.native}
-    assert native == {"tqx_k4v4_g32", "tqx_k4v3_g32", "tqx_k4v4", "tqx_k3v3"}
+    assert native == set(NATIVE_NAMES)

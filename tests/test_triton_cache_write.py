@@ -12,7 +12,8 @@ from tqexport.kvquant.codecs import make_codec, torch_dtype
 from tqexport.kvquant.packing import unpack_codes
 
 NAMES = ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4",
-         "fp8", "fp8_e5m2", "auto", "tqx_k4v4_g32", "tqx_k4v3_g32"]  # fmt: skip
+         "fp8", "fp8_e5m2", "auto", "tqx_k4v4_g32", "tqx_k4v3_g32",
+         "tqx_k4v3_mse", "tqx_k4v2_mse"]  # fmt: skip
 
 # The interpreter must be chosen before triton is imported, so the comparison runs in a child.
 CHILD = r"""
@@ -40,7 +41,7 @@ slots = torch.tensor([4, 5, 6, -1, 9, 17, 18, 19, 7])
 ref = reference.write_cache(codec, cache, k, v, slots)
 mine = [t.clone() for t in cache]
 write_cache_(codec, mine, k, v, slots)
-torch.save({"ref": ref, "mine": mine, "k": k}, sys.argv[3])
+torch.save({"ref": ref, "mine": mine, "k": k, "v": v}, sys.argv[3])
 """
 
 
@@ -58,18 +59,24 @@ def test_interpreted_kernel_writes_reference_bytes(tmp_path, name, d):
         if getattr(codec, "preset", None) is None or codec.preset.key_fp8:
             assert torch.equal(ref, mine)
             continue
-        # REFERENCE rule: a key code may differ only where its float64 input is within 1e-5 of
-        # a threshold (sums in another order); every other byte must be identical.
+        # REFERENCE rule: a key code (and an MSE value code) may differ only where its float64
+        # input is within 1e-5 of a threshold (sums in another order); every other byte must
+        # be identical.
         lay = codec.layout
-        assert torch.equal(ref[..., lay.key_code_bytes :], mine[..., lay.key_code_bytes :])
-        bits = codec.preset.key_bits
-        a = unpack_codes(ref[..., : lay.key_code_bytes], bits, d)
-        b = unpack_codes(mine[..., : lay.key_code_bytes], bits, d)
-        if not torch.equal(a, b):
-            k = res["k"].double()
-            y = (k / (k.norm(dim=-1, keepdim=True) + 1e-8)) @ tq.hadamard(d).double()
-            near = ((y[..., None] - codec.thresholds.double()).abs() < 1e-5).any(-1)
-            assert int((a != b).sum()) <= int(near.sum())
+        codes = [(0, lay.key_code_bytes, codec.key_book, res["k"])]
+        if codec.preset.value_mse:
+            codes.append((lay.value_offset, lay.value_params_offset, codec.value_book, res["v"]))
+        rest = torch.ones(ref.shape[-1], dtype=torch.bool)
+        for lo, hi, book, x in codes:
+            rest[lo:hi] = False
+            a = unpack_codes(ref[..., lo:hi], book.bits, d)
+            b = unpack_codes(mine[..., lo:hi], book.bits, d)
+            if not torch.equal(a, b):
+                x = x.double()
+                y = (x / (x.norm(dim=-1, keepdim=True) + 1e-8)) @ tq.hadamard(d).double()
+                near = ((y[..., None] - book.thresholds.double()).abs() < 1e-5).any(-1)
+                assert int((a != b).sum()) <= int(near.sum())
+        assert torch.equal(ref[..., rest], mine[..., rest])
 
 
 @pytest.mark.parametrize("name", NAMES)

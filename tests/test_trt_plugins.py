@@ -27,7 +27,8 @@ from trt_plugins.ptx import (
 )
 
 NAMES = ["auto", "fp8", "fp8_e5m2", "turboquant_4bit_nc", "turboquant_k3v4_nc",
-         "turboquant_3bit_nc", "turboquant_k8v4", "tqx_k4v4_g32", "tqx_k4v3_g32"]  # fmt: skip
+         "turboquant_3bit_nc", "turboquant_k8v4", "tqx_k4v4_g32", "tqx_k4v3_g32",
+         "tqx_k4v3_mse", "tqx_k4v2_mse"]  # fmt: skip
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -78,7 +79,7 @@ def test_one_plugin_per_op_cache_arity_and_recent_window():
         "PagedAttentionKVRecent": ("PagedAttention", 2, "Recent"),
         "PagedAttentionKVRecentSink": ("PagedAttention", 2, "RecentSink"),
     }  # fmt: skip
-    assert [contract.num_cache_tensors(attrs(n)) for n in NAMES] == [2, 2, 2, 1, 1, 1, 1, 1, 1]
+    assert [contract.num_cache_tensors(attrs(n)) for n in NAMES] == [2, 2, 2] + [1] * 8
     assert list(contract.attrs_of("PagedAttentionKVRecent"))[-3:] == [
         "recent_window", "variant", "layer"]  # fmt: skip
     assert list(contract.attrs_of("PagedAttentionKVRecentSink"))[-4:] == [

@@ -37,18 +37,20 @@ def test_layout_offsets_d128():
 
 def test_presets():
     got = {
-        n: (p.key_bits, p.value_bits, p.norm_correction, p.value_group, p.native)
+        n: (p.key_bits, p.value_bits, p.norm_correction, p.value_group, p.native, p.value_mse)
         for n, p in tq.PRESETS.items()
     }
     assert got == {
-        "turboquant_k8v4": (8, 4, False, 0, False),
-        "turboquant_4bit_nc": (4, 4, True, 0, False),
-        "turboquant_k3v4_nc": (3, 4, True, 0, False),
-        "turboquant_3bit_nc": (3, 3, True, 0, False),
-        "tqx_k4v4_g32": (4, 4, True, 32, True),
-        "tqx_k4v3_g32": (4, 3, True, 32, True),
-        "tqx_k4v4": (4, 4, True, 0, True),
-        "tqx_k3v3": (3, 3, True, 0, True),
+        "turboquant_k8v4": (8, 4, False, 0, False, False),
+        "turboquant_4bit_nc": (4, 4, True, 0, False, False),
+        "turboquant_k3v4_nc": (3, 4, True, 0, False, False),
+        "turboquant_3bit_nc": (3, 3, True, 0, False, False),
+        "tqx_k4v4_g32": (4, 4, True, 32, True, False),
+        "tqx_k4v3_g32": (4, 3, True, 32, True, False),
+        "tqx_k4v4": (4, 4, True, 0, True, False),
+        "tqx_k3v3": (3, 3, True, 0, True, False),
+        "tqx_k4v3_mse": (4, 3, True, 0, True, True),
+        "tqx_k4v2_mse": (4, 2, True, 0, True, True),
     }
 
 
@@ -72,6 +74,30 @@ def test_native_layouts(name, d, offsets):
     assert "value_group" not in tq.slot_layout("turboquant_4bit_nc", d).describe()
     with pytest.raises(TQExportError, match="groups of 32"):
         tq.check_head_size(tq.preset(name), 16)
+
+
+@pytest.mark.parametrize(
+    "name,d,offsets",
+    [  # key codes, key norm, value offset, value codes, value norm, slot
+        ("tqx_k4v3_mse", 64, (32, 32, 34, 24, 58, 60)),
+        ("tqx_k4v3_mse", 128, (64, 64, 66, 48, 114, 116)),
+        ("tqx_k4v2_mse", 64, (32, 32, 34, 16, 50, 52)),
+        ("tqx_k4v2_mse", 128, (64, 64, 66, 32, 98, 100)),
+    ],
+)
+def test_mse_value_layouts(name, d, offsets):
+    lay = tq.slot_layout(name, d)
+    got = (lay.key_code_bytes, lay.key_norm_offset, lay.value_offset, lay.value_code_bytes,
+           lay.value_norm_offset, lay.slot_size)  # fmt: skip
+    assert got == offsets and lay.slot_size_aligned == lay.slot_size
+    assert (lay.value_scale_offset, lay.value_zero_offset) == (None, None)
+    assert make_codec(name, d).bytes_per_token_head == lay.slot_size
+    described = lay.describe()
+    assert (described["value_quantizer"], described["value_norm_offset"]) == ("mse", offsets[4])
+    assert "value_quantizer" not in tq.slot_layout("tqx_k4v4_g32", d).describe()
+    assert tq.preset(name).vllm_twin is None
+    with pytest.raises(TQExportError, match="power-of-two"):
+        tq.check_head_size(tq.preset(name), 96)
 
 
 def test_hadamard_is_symmetric_orthonormal_sylvester():
@@ -219,6 +245,39 @@ def test_golden_slot_bytes_native_value_groups(name, vbits):
     decoded = TurboQuantCodec(name, d).decode({"kv": torch.tensor([[slot]], dtype=torch.uint8)})
     step = 31 / levels
     assert (decoded[1] - v).abs().max() <= step / 2 + 1e-2  # fp16 scale rounding
+
+
+@pytest.mark.parametrize("name,vbits,value_code", [("tqx_k4v3_mse", 3, 5), ("tqx_k4v2_mse", 2, 3)])
+def test_golden_slot_bytes_mse_values(name, vbits, value_code):
+    """v = 2 * e0 rotates like the golden key to y_j = +1 sigma: the 3-bit centroid +0.7560
+    sigma (index 5), the 2-bit one +1.5104 sigma (index 3; thresholds 0, +-0.9816 sigma); its
+    norm 2.0 (fp16 0x4000) follows the packed codes. Norm-corrected, it decodes to 2 * e0."""
+    d = 64
+    k, _ = golden_inputs(d)
+    v = torch.zeros(1, 1, d)
+    v[..., 0] = 2.0
+    codec = TurboQuantCodec(name, d)
+    slot = codec.encode(k, v)["kv"][0, 0].tolist()
+    expected = stream([11] * d, 4) + fp16(3.0) + stream([value_code] * d, vbits) + fp16(2.0)
+    assert slot == expected
+    decoded = codec.decode({"kv": torch.tensor([[slot]], dtype=torch.uint8)})[1]
+    torch.testing.assert_close(decoded, v, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_mse_values_are_quantized_exactly_like_keys(d):
+    """tqx_k4v3_mse values: the bytes and the decode of turboquant_3bit_nc keys for the same
+    vectors (one codebook, one rotation, one norm correction)."""
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(40, 2, d, generator=g) * 3 + 0.5
+    mse = TurboQuantCodec("tqx_k4v3_mse", d)
+    keys3 = TurboQuantCodec("turboquant_3bit_nc", d)
+    lay, klay = mse.layout, keys3.layout
+    as_values = mse.encode(torch.ones_like(x), x)["kv"]
+    as_keys = keys3.encode(x, torch.ones_like(x))["kv"]
+    assert torch.equal(as_values[..., lay.value_offset : lay.slot_size],
+                       as_keys[..., : klay.key_packed_bytes])  # fmt: skip
+    assert torch.equal(mse.decode_values(as_values), keys3.decode_keys(as_keys))
 
 
 def test_golden_slot_bytes_k8v4_with_padding_untouched():

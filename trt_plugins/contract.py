@@ -109,7 +109,8 @@ def codec_of(attrs: dict) -> Codec:
         raise UnsupportedLayerError(
             f"layer {attrs.get('layer', '?')}: kv-cache dtype {kv} ({attrs['quant_mode']}, head "
             f"size {attrs['head_size']}) has no Triton kernel, so no TensorRT plugin; TensorRT "
-            "covers auto, fp8, fp8_e5m2 and turboquant_* at power-of-two head sizes"
+            "covers auto, fp8, fp8_e5m2 and TurboQuant (turboquant_*, tqx_*) at power-of-two "
+            "head sizes"
         )
     return codec
 

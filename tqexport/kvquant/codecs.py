@@ -134,10 +134,11 @@ class AttentionOperands:
     Scores are ``sum_i (q @ query_rotation)[..., i::n] @ keys[i]^T * key_scale`` (rotation and
     scale optional), and the value of a key is ``values * value_scale + value_zero`` per group
     of ``D / groups`` elements, so ``sum_t p_t v_t = (p * s) @ values + p @ z`` needs no
-    dequantized V. With ``values_finite`` the values are finite whatever the bytes (integer
-    codes): a masked key then contributes nothing once its scale and zero are zeroed. Shapes:
-    ``keys[i]``/``values[i]`` ``[..., D / n]``, ``key_scale`` ``[...]``,
-    ``value_scale``/``value_zero`` ``[..., groups]``.
+    dequantized V. With ``value_rotation`` the values are in a rotated basis and the weighted
+    sum is rotated back once (``sum_t p_t v_t = ((p * s) @ values) @ value_rotation``). With
+    ``values_finite`` the values are finite whatever the bytes (codes): a masked key then
+    contributes nothing once its scale and zero are zeroed. Shapes: ``keys[i]``/``values[i]``
+    ``[..., D / n]``, ``key_scale`` ``[...]``, ``value_scale``/``value_zero`` ``[..., groups]``.
     """
 
     keys: tuple[torch.Tensor, ...]
@@ -147,6 +148,7 @@ class AttentionOperands:
     value_scale: torch.Tensor | None = None
     value_zero: torch.Tensor | None = None
     values_finite: bool = False
+    value_rotation: torch.Tensor | None = None
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) ``[..., D]`` these operands stand for (for tests; attention never builds
@@ -163,6 +165,8 @@ class AttentionOperands:
             if self.value_zero is not None:
                 values = values + self.value_zero.unsqueeze(-1)
             values = values.flatten(-2)
+        if self.value_rotation is not None:
+            values = values @ self.value_rotation
         return keys, values
 
 
@@ -451,41 +455,85 @@ class TurboQuantCodec(Codec):
         self.layout = tq.SlotLayout(self.preset, head_size)
         # Constants are built here, eagerly: built lazily inside an export trace they would be
         # captured as trace-time tensors.
-        if not self.preset.key_fp8:
+        if not self.preset.key_fp8 or self.preset.value_mse:
             self.rotation = tq.hadamard(head_size)
-            self.centroids = tq.centroids(head_size, self.preset.key_bits)
-            self.thresholds = tq.thresholds(self.centroids)
-        if self.preset.key_bits == 4:
-            # decode side: byte -> the centroid of its low / high nibble (bit for bit)
-            pairs = self.centroids[unpack_codes(_EVERY_BYTE[:, None], 4, 2).long()]
-            self.low_centroids, self.high_centroids = pairs[:, 0], pairs[:, 1]
-            self.pair_norm2 = (pairs * pairs).sum(-1)  # byte -> c_low^2 + c_high^2
-        # where the fp16 fields lie: the key norm in its 2 bytes, scales and zeros in the
-        # value parameters (group g's pair at 4g)
-        lay = self.layout
         if not self.preset.key_fp8:
-            self.norm_weights = fp16_field_weights(2, [0])
-        params = lay.slot_size - lay.value_scale_offset
+            self.key_book = _Codebook(head_size, self.preset.key_bits)
+        if self.preset.value_mse:
+            self.value_book = _Codebook(head_size, self.preset.value_bits)
+        # where the fp16 fields lie: the key norm in its 2 bytes, scales and zeros in the
+        # value parameters (group g's pair at 4g), the value norm in its 2 bytes
+        lay = self.layout
+        self.norm_weights = fp16_field_weights(2, [0])
+        params = lay.slot_size - lay.value_params_offset
         self.scale_weights = fp16_field_weights(params, range(0, params, 4))
         self.zero_weights = fp16_field_weights(params, range(2, params, 4))
+
+    @property
+    def centroids(self) -> torch.Tensor:
+        """The key codebook (MSE keys)."""
+        return self.key_book.centroids
+
+    @property
+    def thresholds(self) -> torch.Tensor:
+        return self.key_book.thresholds
 
     @property
     def tensors(self):
         return (TensorFormat("kv", "uint8", self.layout.slot_size_aligned),)
 
+    # -- MSE vectors (keys; values of the _mse presets) ---------------------------------------
+    def _mse_codes(self, x: torch.Tensor, book: _Codebook):
+        """(centroid indices [..., D], fp32 norms [...]) of vectors x: the unit vector rotated,
+        then its coordinates against the codebook's thresholds."""
+        x = x.float()
+        norm = torch.linalg.vector_norm(x, dim=-1)
+        y = (x / (norm.unsqueeze(-1) + NORM_EPS)) @ self.rotation
+        return tq.centroid_index(y, book.thresholds), norm
+
+    def _mse_bytes(self, x: torch.Tensor, book: _Codebook) -> torch.Tensor:
+        idx, norm = self._mse_codes(x, book)
+        return torch.cat([pack_codes(idx, book.bits), tq.fp16_field(norm)], dim=-1)
+
+    def _mse_parts(self, code_bytes: torch.Tensor, norm_bytes: torch.Tensor, book: _Codebook):
+        """Decode-side (centroid parts, scale) of packed MSE codes: part i holds elements
+        ``i::n`` in the rotated basis; scale = norm, divided by ``|c|`` (from the codes) when
+        the preset corrects norms."""
+        if book.byte_parts is not None:
+            index = code_bytes.to(torch.int64)
+            parts = tuple(lookup(t, index) for t in book.byte_parts)
+        else:
+            parts = tuple(lookup(book.centroids, c) for c in triplet_codes(code_bytes))
+        scale = fp16_fields(norm_bytes, self.norm_weights).squeeze(-1)
+        if self.preset.norm_correction:
+            if book.byte_norm2 is not None:  # <c, c> summed over bytes
+                sumsq = lookup(book.byte_norm2, index).sum(-1)
+            else:
+                sumsq = sum((c * c).sum(-1) for c in parts)
+            scale = scale / torch.sqrt(sumsq + NC_EPS)
+        return parts, scale
+
+    def _mse_decode(self, code_bytes: torch.Tensor, norm_bytes: torch.Tensor, book: _Codebook):
+        """(unit centroid vectors in the rotated basis, fp16 norms) (norm-corrected if the
+        preset says so)."""
+        idx = unpack_codes(code_bytes, book.bits, self.head_size)
+        c = book.centroids[idx.to(torch.int64)]
+        if self.preset.norm_correction:
+            c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + NC_EPS)
+        return c, fp16_from_bytes(norm_bytes)
+
     # -- keys ------------------------------------------------------------------------------
     def key_codes(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """MSE keys: (centroid indices [..., D], fp32 norms [...]) before packing."""
-        k = k.float()
-        norm = torch.linalg.vector_norm(k, dim=-1)
-        y = (k / (norm.unsqueeze(-1) + NORM_EPS)) @ self.rotation
-        return tq.centroid_index(y, self.thresholds), norm
+        return self._mse_codes(k, self.key_book)
 
     def _encode_keys(self, k):
         if self.preset.key_fp8:
             return tq.fp8_key_bytes(k)
-        idx, norm = self.key_codes(k)
-        return torch.cat([pack_codes(idx, self.preset.key_bits), tq.fp16_field(norm)], dim=-1)
+        return self._mse_bytes(k, self.key_book)
+
+    def _norm_bytes(self, slots: torch.Tensor, at: int) -> torch.Tensor:
+        return slots[..., at : at + 2]
 
     def key_parts(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode-side key state: (unit centroid vectors in the rotated basis, fp16 norms) for
@@ -493,12 +541,8 @@ class TurboQuantCodec(Codec):
         lay = self.layout
         if self.preset.key_fp8:
             return fp8_decode(slots[..., : lay.key_code_bytes], E4M3), None
-        idx = unpack_codes(slots[..., : lay.key_code_bytes], self.preset.key_bits, self.head_size)
-        c = self.centroids[idx.to(torch.int64)]
-        if self.preset.norm_correction:
-            c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + NC_EPS)
-        norm_at = lay.key_norm_offset
-        return c, fp16_from_bytes(slots[..., norm_at : norm_at + 2])
+        norm = self._norm_bytes(slots, lay.key_norm_offset)
+        return self._mse_decode(slots[..., : lay.key_code_bytes], norm, self.key_book)
 
     def decode_keys(self, slots: torch.Tensor) -> torch.Tensor:
         """Reconstructed keys, k = norm * c @ H (MSE) or the fp8 key."""
@@ -522,6 +566,8 @@ class TurboQuantCodec(Codec):
 
     # -- values ----------------------------------------------------------------------------
     def _encode_values(self, v):
+        if self.preset.value_mse:
+            return self._mse_bytes(v, self.value_book)
         groups = self.layout.value_groups
         v = v.float().unflatten(-1, (groups, self.head_size // groups))
         codes, scale, lo = tq.quantize_values(v, self.preset.value_bits)  # NaN/inf as vLLM
@@ -532,12 +578,13 @@ class TurboQuantCodec(Codec):
 
     def decode_values(self, slots: torch.Tensor) -> torch.Tensor:
         lay = self.layout
-        codes = unpack_codes(
-            slots[..., lay.value_offset : lay.value_scale_offset],
-            self.preset.value_bits,
-            self.head_size,
-        )
-        params = slots[..., lay.value_scale_offset : lay.slot_size].unflatten(-1, (-1, 4))
+        code_bytes = slots[..., lay.value_offset : lay.value_params_offset]
+        if self.preset.value_mse:
+            norm = self._norm_bytes(slots, lay.value_norm_offset)
+            c, norm = self._mse_decode(code_bytes, norm, self.value_book)
+            return norm.unsqueeze(-1) * (c @ self.rotation)
+        codes = unpack_codes(code_bytes, self.preset.value_bits, self.head_size)
+        params = slots[..., lay.value_params_offset : lay.slot_size].unflatten(-1, (-1, 4))
         scale, zero = fp16_from_bytes(params[..., 0:2]), fp16_from_bytes(params[..., 2:4])
         codes = codes.float().unflatten(-1, (lay.value_groups, -1))
         return (codes * scale.unsqueeze(-1) + zero.unsqueeze(-1)).flatten(-2)
@@ -561,36 +608,38 @@ class TurboQuantCodec(Codec):
         """MSE keys stay in the rotated basis: the centroid vectors ``c`` (not normalized) with
         ``key_scale = norm / sqrt(<c, c> + eps)`` (norm correction, from the codes) or
         ``norm``, scored against ``q @ H``: ``<q, norm * c_nc @ H> = (q @ H) . c * key_scale``
-        (H is orthogonal and symmetric). fp8 keys are decoded. Values stay codes, with their
-        per-group fp16 scale and zero. Packed codes unpack into parts (2 for 4-bit: low and
-        high nibbles; 8 for 3-bit), never interleaved."""
+        (H is orthogonal and symmetric). fp8 keys are decoded. Uniform values stay codes, with
+        their per-group fp16 scale and zero; MSE values stay centroids in the rotated basis
+        with their scale, the weighted sum rotated back once. Packed codes unpack into parts
+        (4 for 2-bit, 2 for 4-bit: the codes of each byte position; 8 for 3-bit), never
+        interleaved."""
         slots, lay = cache["kv"], self.layout
         code_bytes = slots[..., : lay.key_code_bytes]
         rotation = key_scale = None
         if self.preset.key_fp8:
             keys = (lookup(_FP8_E4M3_TABLE, code_bytes),)
         else:
-            if self.preset.key_bits == 4:
-                index = code_bytes.to(torch.int64)
-                keys = (lookup(self.low_centroids, index), lookup(self.high_centroids, index))
-            else:
-                keys = tuple(lookup(self.centroids, c) for c in triplet_codes(code_bytes))
-            norm_at = lay.key_norm_offset
-            norm_bytes = slots[..., norm_at : norm_at + 2]
-            key_scale = fp16_fields(norm_bytes, self.norm_weights).squeeze(-1)
-            if self.preset.norm_correction:
-                if self.preset.key_bits == 4:  # <c, c> summed over bytes
-                    sumsq = lookup(self.pair_norm2, index).sum(-1)
-                else:
-                    sumsq = sum((c * c).sum(-1) for c in keys)
-                key_scale = key_scale / torch.sqrt(sumsq + NC_EPS)
+            norm_bytes = self._norm_bytes(slots, lay.key_norm_offset)
+            keys, key_scale = self._mse_parts(code_bytes, norm_bytes, self.key_book)
             rotation = self.rotation
-        value_bytes = slots[..., lay.value_offset : lay.value_scale_offset]
+        value_bytes = slots[..., lay.value_offset : lay.value_params_offset]
+        if self.preset.value_mse:
+            norm_bytes = self._norm_bytes(slots, lay.value_norm_offset)
+            values, value_scale = self._mse_parts(value_bytes, norm_bytes, self.value_book)
+            return AttentionOperands(
+                keys,
+                values,
+                key_scale=key_scale,
+                query_rotation=rotation,
+                value_scale=value_scale.unsqueeze(-1),
+                values_finite=True,
+                value_rotation=self.rotation,
+            )
         if self.preset.value_bits == 4:
             values = nibbles(value_bytes)
         else:
             values = tuple(triplet_codes(value_bytes))
-        params = slots[..., lay.value_scale_offset : lay.slot_size]
+        params = slots[..., lay.value_params_offset : lay.slot_size]
         return AttentionOperands(
             keys,
             values,
@@ -600,6 +649,23 @@ class TurboQuantCodec(Codec):
             value_zero=fp16_fields(params, self.zero_weights),
             values_finite=True,
         )
+
+
+class _Codebook:
+    """One Lloyd-Max codebook of a TurboQuant codec (keys, or the values of ``_mse`` presets):
+    centroids, store thresholds, and for 2- and 4-bit codes the decode-side byte tables (byte
+    -> the centroid of each code it packs, bit for bit, and -> their sum of squares)."""
+
+    def __init__(self, head_size: int, bits: int):
+        self.bits = bits
+        self.centroids = tq.centroids(head_size, bits)
+        self.thresholds = tq.thresholds(self.centroids)
+        self.byte_parts = self.byte_norm2 = None
+        if bits in (2, 4):
+            per = 8 // bits
+            values = self.centroids[unpack_codes(_EVERY_BYTE[:, None], bits, per).long()]
+            self.byte_parts = tuple(values[:, i] for i in range(per))
+            self.byte_norm2 = (values * values).sum(-1)
 
 
 #: Largest head size any codec takes. Real models use at most 256 (Gemma 3); the bound keeps

@@ -178,6 +178,22 @@ KV_CACHE_DTYPES: dict[str, KVCacheDType] = {
             None,
             "tqexport-native TurboQuant: turboquant_3bit_nc's slot layout, keys may be transformed",
         ),
+        _entry(
+            "tqx_k4v3_mse",
+            _M.TURBOQUANT,
+            "slot",
+            None,
+            "tqexport-native TurboQuant: 4-bit keys, 3-bit values quantized like keys (rotated, "
+            "Lloyd-Max, fp16 norm; both norm-corrected)",
+        ),
+        _entry(
+            "tqx_k4v2_mse",
+            _M.TURBOQUANT,
+            "slot",
+            None,
+            "tqexport-native TurboQuant: 4-bit keys, 2-bit values quantized like keys (rotated, "
+            "Lloyd-Max, fp16 norm; both norm-corrected)",
+        ),
     )
 }
 

@@ -10,9 +10,15 @@ Layout of one (token, kv-head) slot, little-endian, D = head size:
 - then ``ceil(D*vbits/8)`` bytes of packed value codes, fp16 scale, fp16 zero (= min).
 - then padding up to an even size (never read, never written by a cache write).
 
-tqexport-native presets (``tqx_*``, never vLLM names) use the same layout with one change:
-values are quantized in groups of ``value_group`` elements, each with its own fp16 scale and
-fp16 zero, stored as (scale, zero) pairs in group order where vLLM's one pair sits.
+tqexport-native presets (``tqx_*``, never vLLM names) use the same layout with one of two
+changes to the values:
+
+- ``_g32``: values are quantized in groups of ``value_group`` elements, each with its own fp16
+  scale and fp16 zero, stored as (scale, zero) pairs in group order where vLLM's one pair sits.
+- ``_mse``: values are quantized like MSE keys (the Hadamard-rotated unit vector as Lloyd-Max
+  codes of ``value_bits``, then ``||v||_2`` as fp16 where vLLM's scale and zero sit; read back
+  norm-corrected). Attention applies them in the rotated basis and rotates its output once.
+  2-bit codes pack four to a byte, lowest bits first.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ class TurboQuantPreset:
     norm_correction: bool
     #: values per (scale, zero) pair; 0 = the whole head (vLLM's presets)
     value_group: int = 0
+    #: values quantized like MSE keys (rotated, Lloyd-Max codes, fp16 norm) instead of uniform
+    value_mse: bool = False
 
     @property
     def native(self) -> bool:
@@ -59,7 +67,7 @@ class TurboQuantPreset:
         """The vLLM preset whose slot layout this native one shares byte for byte (None for
         vLLM presets and native layouts of their own). A twin exists so that keys may be
         transformed (:mod:`tqexport.kvquant.transforms`) without claiming to be vLLM's cache."""
-        if not self.native or self.value_group:
+        if not self.native or self.value_group or self.value_mse:
             return None
         bits = (self.key_bits, self.value_bits, self.norm_correction)
         return next(
@@ -74,7 +82,7 @@ class TurboQuantPreset:
 
     @property
     def needs_power_of_two_head(self) -> bool:
-        return not self.key_fp8
+        return not self.key_fp8 or self.value_mse
 
 
 PRESETS: dict[str, TurboQuantPreset] = {
@@ -90,6 +98,9 @@ PRESETS: dict[str, TurboQuantPreset] = {
         # tqexport-native twins of vLLM layouts, for transformed keys
         TurboQuantPreset("tqx_k4v4", 4, 4, True),
         TurboQuantPreset("tqx_k3v3", 3, 3, True),
+        # tqexport-native: values quantized like keys (rotated, Lloyd-Max, fp16 norm)
+        TurboQuantPreset("tqx_k4v3_mse", 4, 3, True, value_mse=True),
+        TurboQuantPreset("tqx_k4v2_mse", 4, 2, True, value_mse=True),
     )
 }
 
@@ -119,6 +130,8 @@ def check_head_size(p: TurboQuantPreset, head_size: int) -> None:
         )
     if p.value_bits == 3 and head_size % 8:
         raise TQExportError(f"{p.name} packs 3-bit values and needs head_size % 8 == 0")
+    if p.value_bits == 2 and head_size % 4:
+        raise TQExportError(f"{p.name} packs 2-bit values and needs head_size % 4 == 0")
     if p.value_group and head_size % p.value_group:
         raise TQExportError(
             f"{p.name} quantizes values in groups of {p.value_group} and needs a head size "
@@ -158,23 +171,34 @@ class SlotLayout:
 
     @property
     def value_groups(self) -> int:
-        """(scale, zero) pairs per slot: 1 for vLLM presets."""
+        """(scale, zero) pairs per slot: 1 for vLLM presets (and the one norm of MSE values)."""
         return self.head_size // self.preset.value_group if self.preset.value_group else 1
 
     @property
-    def value_scale_offset(self) -> int:
-        """Offset of group 0's fp16 scale; group g's is at ``+ 4 * g``."""
+    def value_params_offset(self) -> int:
+        """Where the value's fp16 fields start: its (scale, zero) pairs, or its norm."""
         return self.value_offset + self.value_code_bytes
 
     @property
-    def value_zero_offset(self) -> int:
-        """Offset of group 0's fp16 zero; group g's is at ``+ 4 * g``."""
-        return self.value_scale_offset + 2
+    def value_scale_offset(self) -> int | None:
+        """Offset of group 0's fp16 scale; group g's is at ``+ 4 * g`` (None: MSE values)."""
+        return None if self.preset.value_mse else self.value_params_offset
+
+    @property
+    def value_zero_offset(self) -> int | None:
+        """Offset of group 0's fp16 zero; group g's is at ``+ 4 * g`` (None: MSE values)."""
+        return None if self.preset.value_mse else self.value_params_offset + 2
+
+    @property
+    def value_norm_offset(self) -> int | None:
+        """Offset of the fp16 value norm (MSE values only)."""
+        return self.value_params_offset if self.preset.value_mse else None
 
     @property
     def slot_size(self) -> int:
         """Bytes a cache write touches."""
-        return self.value_scale_offset + 4 * self.value_groups
+        params = 2 if self.preset.value_mse else 4 * self.value_groups
+        return self.value_params_offset + params
 
     @property
     def slot_size_aligned(self) -> int:
@@ -204,6 +228,11 @@ class SlotLayout:
             {"value_group": self.preset.value_group, "value_groups": self.value_groups,
              "value_params": "(fp16 scale, fp16 zero) per group, group order"}
             if self.preset.value_group
+            else {}
+        ) | (
+            {"value_quantizer": "mse", "value_norm_offset": self.value_norm_offset,
+             "value_params": "fp16 ||v||_2 of the rotated unit vector's Lloyd-Max codes"}
+            if self.preset.value_mse
             else {}
         )  # fmt: skip
 

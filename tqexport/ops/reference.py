@@ -177,7 +177,8 @@ def _scores(ops: AttentionOperands, qs: torch.Tensor, scale: float) -> torch.Ten
 
 
 def _apply_values(ops: AttentionOperands, probs: torch.Tensor, seg: _Segment) -> torch.Tensor:
-    """``probs [S, KVH, Q, C] @ V [S, KVH, C, D]``, V in factored form. Keys that are not real
+    """``probs [S, KVH, Q, C] @ V [S, KVH, C, D]``, V in factored form (rotated back once when
+    the values are in a rotated basis). Keys that are not real
     have probability 0, and their bytes may decode to NaN: they are zeroed (their scale and
     zero when the values are finite codes, else the values) so 0 x NaN never occurs."""
     values = ops.values
@@ -201,7 +202,11 @@ def _apply_values(ops: AttentionOperands, probs: torch.Tensor, seg: _Segment) ->
             parts.append(torch.matmul(probs, v.flatten(-2)))
         v_zero = None
     out = parts[0] if len(parts) == 1 else torch.stack(parts, dim=-1).flatten(-2)
-    return out if v_zero is None else out + torch.matmul(probs, v_zero)
+    if v_zero is not None:
+        out = out + torch.matmul(probs, v_zero)
+    if ops.value_rotation is not None:  # values in the rotated basis: rotate the sum back once
+        out = out @ ops.value_rotation
+    return out
 
 
 def paged_attention(

@@ -60,10 +60,15 @@ def _fp8_bits(x, MBITS: tl.constexpr, BIAS: tl.constexpr, LIMIT: tl.constexpr):
 
 @triton.jit
 def _store_packed(ptr, codes, BITS: tl.constexpr, D: tl.constexpr):
-    """Pack int32 codes [D] little-endian (4-bit: low nibble first; 3-bit: LSB-first stream)."""
+    """Pack int32 codes [D] little-endian (4-bit: low nibble first; 2-bit: lowest bits first;
+    3-bit: LSB-first stream)."""
     if BITS == 4:
         lo, hi = tl.split(tl.reshape(codes, (D // 2, 2)))
         tl.store(ptr + tl.arange(0, D // 2), (lo + hi * 16).to(tl.uint8))
+    elif BITS == 2:
+        shifts = tl.arange(0, 4) * 2
+        byte = tl.sum(tl.reshape(codes, (D // 4, 4)) << shifts[None, :], axis=1)
+        tl.store(ptr + tl.arange(0, D // 4), byte.to(tl.uint8))
     else:
         groups = tl.reshape(codes, (D // 8, 8))
         shifts = tl.arange(0, 8) * 3
@@ -75,10 +80,10 @@ def _store_packed(ptr, codes, BITS: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _mse_codes(y, th_ptr, KEY_BITS: tl.constexpr, INLINE: tl.constexpr, TH: tl.constexpr):
+def _mse_codes(y, th_ptr, BITS: tl.constexpr, INLINE: tl.constexpr, TH: tl.constexpr):
     """Centroid index per coordinate: how many thresholds are <= y (from ``th_ptr`` or TH)."""
     idx = tl.zeros(y.shape, dtype=tl.int32)
-    for j in tl.static_range(2**KEY_BITS - 1):
+    for j in tl.static_range(2**BITS - 1):
         if INLINE:
             idx += (y >= TH[j]).to(tl.int32)
         else:
@@ -93,10 +98,11 @@ def _turboquant_write(
     KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
     NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
     ZERO_OFF: tl.constexpr, INLINE: tl.constexpr, INV_SQRT: tl.constexpr, TH: tl.constexpr,
-    NG: tl.constexpr,
+    NG: tl.constexpr, VAL_MSE: tl.constexpr, VNORM_OFF: tl.constexpr, VTH: tl.constexpr,
 ):  # fmt: skip
     """Encode and pack one (token, kv head) into its slot: the body of both entry points.
-    Values are quantized in NG groups (1 = vLLM), each with an fp16 (scale, zero) pair.
+    Values are quantized in NG groups (1 = vLLM), each with an fp16 (scale, zero) pair, or
+    (VAL_MSE) like MSE keys against the value thresholds VTH, with their fp16 norm.
     NaN and inf follow the reference (tq.quantize_values): min/max skip NaN elements, a NaN
     scale is stored as 1e-8, a NaN code as 0; a NaN coordinate passes no threshold (code 0)."""
     t = pid // H
@@ -117,20 +123,27 @@ def _turboquant_write(
         idx = _mse_codes(y, th_ptr, KEY_BITS, INLINE, TH)
         _store_packed(base, idx, KEY_BITS, D)
         _store_fp16_bytes(base + NORM_OFF, norm)
-    levels: tl.constexpr = 2**VAL_BITS - 1
-    GS: tl.constexpr = D // NG
-    vg = tl.reshape(v, (NG, GS))
-    lo = tl.min(vg, axis=1)
-    hi = tl.max(vg, axis=1)
-    scale = (hi - lo) / levels
-    scale = tl.where(scale > 1e-8, scale, 1e-8)
-    codes = tl.floor((vg - lo[:, None]) / scale[:, None] + 0.5)
-    codes = tl.where(codes == codes, codes, 0.0)
-    codes = tl.minimum(tl.maximum(codes, 0.0), levels).to(tl.int32)
-    _store_packed(base + VAL_OFF, tl.reshape(codes, (D,)), VAL_BITS, D)
-    pair = tl.arange(0, NG) * 4
-    _store_fp16_bytes(base + SCALE_OFF + pair, scale)
-    _store_fp16_bytes(base + ZERO_OFF + pair, lo)
+    if VAL_MSE:  # keys are MSE too (the presets' rule): the rotation is loaded
+        vnorm = tl.sqrt(tl.sum(v * v, axis=0))
+        xv = v / (vnorm + 1e-8)
+        yv = tl.sum(xv[:, None] * rot, axis=0)
+        _store_packed(base + VAL_OFF, _mse_codes(yv, th_ptr, VAL_BITS, True, VTH), VAL_BITS, D)
+        _store_fp16_bytes(base + VNORM_OFF, vnorm)
+    else:
+        levels: tl.constexpr = 2**VAL_BITS - 1
+        GS: tl.constexpr = D // NG
+        vg = tl.reshape(v, (NG, GS))
+        lo = tl.min(vg, axis=1)
+        hi = tl.max(vg, axis=1)
+        scale = (hi - lo) / levels
+        scale = tl.where(scale > 1e-8, scale, 1e-8)
+        codes = tl.floor((vg - lo[:, None]) / scale[:, None] + 0.5)
+        codes = tl.where(codes == codes, codes, 0.0)
+        codes = tl.minimum(tl.maximum(codes, 0.0), levels).to(tl.int32)
+        _store_packed(base + VAL_OFF, tl.reshape(codes, (D,)), VAL_BITS, D)
+        pair = tl.arange(0, NG) * 4
+        _store_fp16_bytes(base + SCALE_OFF + pair, scale)
+        _store_fp16_bytes(base + ZERO_OFF + pair, lo)
 
 
 @triton.jit
@@ -139,12 +152,13 @@ def turboquant_write_kernel(
     H: tl.constexpr, D: tl.constexpr, SLOT: tl.constexpr,
     KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
     NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
-    ZERO_OFF: tl.constexpr, NG: tl.constexpr,
+    ZERO_OFF: tl.constexpr, NG: tl.constexpr, VAL_MSE: tl.constexpr, VNORM_OFF: tl.constexpr,
+    VTH: tl.constexpr,
 ):  # fmt: skip
     _turboquant_write(
         tl.program_id(0), k_ptr, v_ptr, slot_ptr, cache_ptr, rot_ptr, th_ptr, H, D, SLOT,
         KEY_BITS, VAL_BITS, KEY_FP8, NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, False, 0.0, None,
-        NG,
+        NG, VAL_MSE, VNORM_OFF, VTH,
     )  # fmt: skip
 
 
@@ -155,13 +169,14 @@ def trt_turboquant_write_kernel(
     KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
     NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
     ZERO_OFF: tl.constexpr, INV_SQRT: tl.constexpr, TH: tl.constexpr, NG: tl.constexpr,
+    VAL_MSE: tl.constexpr, VNORM_OFF: tl.constexpr, VTH: tl.constexpr,
 ):  # fmt: skip
     """TensorRT order (node inputs, then the output): tables in-kernel; the output aliases
     ``cache_in_ptr``, which is only there to keep the argument positions."""
     _turboquant_write(
         tl.program_id(0), k_ptr, v_ptr, slot_ptr, cache_ptr, cache_in_ptr, cache_in_ptr, H, D,
         SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NORM_OFF, VAL_OFF, SCALE_OFF, ZERO_OFF, True,
-        INV_SQRT, TH, NG,
+        INV_SQRT, TH, NG, VAL_MSE, VNORM_OFF, VTH,
     )  # fmt: skip
 
 

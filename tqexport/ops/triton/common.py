@@ -17,7 +17,7 @@ from tqexport.kvquant.codecs import Codec, Fp8PerTensorCodec, TurboQuantCodec, U
 MODE_PLAIN, MODE_FP8, MODE_TQ = 0, 1, 2
 #: the layout constexprs the CacheWrite kernels take (PagedAttention takes them all)
 WRITE_LAYOUT_KEYS = ("SLOT", "KEY_BITS", "VAL_BITS", "KEY_FP8", "NORM_OFF", "VAL_OFF",
-                     "SCALE_OFF", "ZERO_OFF", "NG")  # fmt: skip
+                     "SCALE_OFF", "ZERO_OFF", "NG", "VAL_MSE", "VNORM_OFF", "VTH")  # fmt: skip
 TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
@@ -32,14 +32,20 @@ def layout_constants(codec: Codec) -> dict:
     """MODE and the TurboQuant slot layout as kernel constexprs (fixed fillers for the fields a
     mode does not read, so every layer of one mode compiles to one kernel)."""
     kw = dict(MODE=MODE_PLAIN, SLOT=1, KEY_BITS=4, VAL_BITS=4, KEY_FP8=False, NC=False,
-              NORM_OFF=0, VAL_OFF=0, SCALE_OFF=0, ZERO_OFF=0, NG=1)  # fmt: skip
+              NORM_OFF=0, VAL_OFF=0, SCALE_OFF=0, ZERO_OFF=0, NG=1, VAL_MSE=False,
+              VNORM_OFF=0, VCENT=(), VTH=())  # fmt: skip
     if isinstance(codec, TurboQuantCodec):
         lay, p = codec.layout, codec.preset
         kw.update(MODE=MODE_TQ, SLOT=lay.slot_size_aligned,
                   KEY_BITS=p.key_bits if not p.key_fp8 else 4, VAL_BITS=p.value_bits,
                   KEY_FP8=p.key_fp8, NC=p.norm_correction, NORM_OFF=lay.key_norm_offset or 0,
-                  VAL_OFF=lay.value_offset, SCALE_OFF=lay.value_scale_offset,
-                  ZERO_OFF=lay.value_zero_offset, NG=lay.value_groups)  # fmt: skip
+                  VAL_OFF=lay.value_offset, SCALE_OFF=lay.value_scale_offset or 0,
+                  ZERO_OFF=lay.value_zero_offset or 0, NG=lay.value_groups)  # fmt: skip
+        if p.value_mse:  # the value codebook inline (a few entries): no table argument
+            book = codec.value_book
+            kw.update(VAL_MSE=True, VNORM_OFF=lay.value_norm_offset,
+                      VCENT=tuple(book.centroids.tolist()),
+                      VTH=tuple(book.thresholds.tolist()))  # fmt: skip
     elif isinstance(codec, Fp8PerTensorCodec):
         kw.update(MODE=MODE_FP8)
     return kw

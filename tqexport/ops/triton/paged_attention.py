@@ -3,10 +3,11 @@ separate log-sum-exp merge kernel over an explicit partial-results tensor.
 
 Grid ``(tokens, kv_heads, splits)``: one program reads one kv head's pages once for all the
 query heads that share it (GQA), dequantizing TurboQuant slots (MSE keys against the rotated
-query, fp8 keys, uniform values), fp8 bytes or unquantized values in registers, and keeps an
-online softmax. Every query attends to the keys it may see (causal, window) from the cache,
-prefill and decode alike. Partial results ``[T, H, splits, D + 2]`` (acc, max, sum) are merged
-by :func:`merge_kernel`. fp8 bytes are decoded through a 256-entry table (exact everywhere).
+query, fp8 keys, uniform values or MSE values summed in the rotated basis), fp8 bytes or
+unquantized values in registers, and keeps an online softmax. Every query attends to the keys
+it may see (causal, window) from the cache, prefill and decode alike. Partial results
+``[T, H, splits, D + 2]`` (acc, max, sum) are merged by :func:`merge_kernel`. fp8 bytes are
+decoded through a 256-entry table (exact everywhere).
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ def _unpack(ptr, rows_off, mask, BITS: tl.constexpr, D: tl.constexpr, BS: tl.con
         )
         b = b.to(tl.int32)
         codes = tl.reshape(tl.join(b & 15, b >> 4), (BS, D))
+    elif BITS == 2:
+        b = tl.load(
+            ptr + rows_off[:, None] + tl.arange(0, D // 4)[None, :], mask=mask[:, None], other=0
+        )
+        shifts = tl.arange(0, 4) * 2
+        codes = tl.reshape((b.to(tl.int32)[:, :, None] >> shifts[None, None, :]) & 3, (BS, D))
     else:
         g = tl.arange(0, D // 8) * 3
         base = ptr + rows_off[:, None] + g[None, :]
@@ -108,8 +115,10 @@ def _attend(
     SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr,
     INLINE: tl.constexpr, E5M2: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
     recent_window, sink_tokens, PART: tl.constexpr, NG: tl.constexpr,
+    VAL_MSE: tl.constexpr, VNORM_OFF: tl.constexpr, VCENT: tl.constexpr,
 ):  # fmt: skip
     """One (token, kv head, split): online-softmax (acc [G, D], max [G], sum [G]) over its pages.
+    MSE values (VAL_MSE) are summed in the rotated basis and the sum rotated back at the end.
 
     PART 0: every visible key; 1: only keys older than the recent window (positions
     <= p - recent_window) and not sink tokens (>= sink_tokens); 2: only keys inside it and
@@ -170,14 +179,22 @@ def _attend(
                     c = c / tl.sqrt(tl.sum(c * c, axis=1) + 1e-16)[:, None]
                 norm = _fp16_at(k_ptr + slot_off + NORM_OFF, kmask)
                 s = tl.sum(q[:, None, :] * c[None, :, :], axis=2) * norm[None, :]
-            vcodes = _unpack(k_ptr + VAL_OFF, slot_off, kmask, VAL_BITS, D, BS).to(tl.float32)
-            pair = tl.arange(0, NG) * 4  # (scale, zero) of value group g at +4g
-            pmask = kmask[:, None] & (pair[None, :] >= 0)
-            vscale = _fp16_at(k_ptr + slot_off[:, None] + SCALE_OFF + pair[None, :], pmask)
-            vzero = _fp16_at(k_ptr + slot_off[:, None] + ZERO_OFF + pair[None, :], pmask)
-            GS: tl.constexpr = D // NG
-            vals = tl.reshape(vcodes, (BS, NG, GS)) * vscale[:, :, None] + vzero[:, :, None]
-            vals = tl.reshape(vals, (BS, D))
+            if VAL_MSE:  # centroids in the rotated basis, norm-corrected like keys
+                vcodes = _unpack(k_ptr + VAL_OFF, slot_off, kmask, VAL_BITS, D, BS)
+                vals = _centroid_values(vcodes, cent_ptr, VAL_BITS, True, VCENT)
+                if NC:
+                    vals = vals / tl.sqrt(tl.sum(vals * vals, axis=1) + 1e-16)[:, None]
+                vals = vals * _fp16_at(k_ptr + slot_off + VNORM_OFF, kmask)[:, None]
+            else:
+                vcodes = _unpack(k_ptr + VAL_OFF, slot_off, kmask, VAL_BITS, D, BS)
+                vcodes = vcodes.to(tl.float32)
+                pair = tl.arange(0, NG) * 4  # (scale, zero) of value group g at +4g
+                pmask = kmask[:, None] & (pair[None, :] >= 0)
+                vscale = _fp16_at(k_ptr + slot_off[:, None] + SCALE_OFF + pair[None, :], pmask)
+                vzero = _fp16_at(k_ptr + slot_off[:, None] + ZERO_OFF + pair[None, :], pmask)
+                GS: tl.constexpr = D // NG
+                vals = tl.reshape(vcodes, (BS, NG, GS)) * vscale[:, :, None] + vzero[:, :, None]
+                vals = tl.reshape(vals, (BS, D))
         else:
             off = (rows * KVH + kvh)[:, None] * D + d[None, :]
             kraw = tl.load(k_ptr + off, mask=kmask[:, None], other=0)
@@ -202,6 +219,9 @@ def _attend(
         l_sum = l_sum * alpha + tl.sum(pr, axis=1)
         acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * vals[None, :, :], axis=1)
         m = m_new
+    if MODE == 2:
+        if VAL_MSE:  # (sum_t p_t s_t c_t) @ H: the values' rotation, once
+            acc = tl.sum(acc[:, :, None] * rot[None, :, :], axis=1)
     return acc, m, l_sum
 
 
@@ -226,6 +246,7 @@ def paged_attention_kernel(
     SLOT: tl.constexpr, KEY_BITS: tl.constexpr, VAL_BITS: tl.constexpr, KEY_FP8: tl.constexpr,
     NC: tl.constexpr, NORM_OFF: tl.constexpr, VAL_OFF: tl.constexpr,
     SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr, RECENT: tl.constexpr, NG: tl.constexpr,
+    VAL_MSE: tl.constexpr, VNORM_OFF: tl.constexpr, VCENT: tl.constexpr, VTH: tl.constexpr,
 ):  # fmt: skip
     """Split ``split`` of one (token, kv head); with RECENT, keys inside the recent window and
     the first ``sink_tokens`` come from the model-dtype recent cache (``rk_ptr``/``rv_ptr``
@@ -241,7 +262,7 @@ def paged_attention_kernel(
         KEY_BITS=KEY_BITS, VAL_BITS=VAL_BITS, KEY_FP8=KEY_FP8, NC=NC, NORM_OFF=NORM_OFF,
         VAL_OFF=VAL_OFF, SCALE_OFF=SCALE_OFF, ZERO_OFF=ZERO_OFF, INLINE=False, E5M2=False,
         INV_SQRT=0.0, CENT=None, recent_window=recent_window, sink_tokens=sink_tokens,
-        PART=1 if RECENT else 0, NG=NG,
+        PART=1 if RECENT else 0, NG=NG, VAL_MSE=VAL_MSE, VNORM_OFF=VNORM_OFF, VCENT=VCENT,
     )  # fmt: skip
     if RECENT:  # the recent window's keys, then the sink tokens', from the model-dtype cache
         for part in tl.static_range(2, 4):
@@ -254,7 +275,7 @@ def paged_attention_kernel(
                 MODE=0, NSPLIT=NSPLIT, SLOT=1, KEY_BITS=KEY_BITS, VAL_BITS=VAL_BITS,
                 KEY_FP8=False, NC=False, NORM_OFF=0, VAL_OFF=0, SCALE_OFF=0, ZERO_OFF=0,
                 INLINE=False, E5M2=False, INV_SQRT=0.0, CENT=None, recent_window=recent_window,
-                sink_tokens=sink_tokens, PART=part, NG=1,
+                sink_tokens=sink_tokens, PART=part, NG=1, VAL_MSE=False, VNORM_OFF=0, VCENT=(),
             )  # fmt: skip
             acc, m, l_sum = _merge_states(acc, m, l_sum, acc2, m2, l2)
     gi = tl.arange(0, G)
@@ -279,6 +300,7 @@ def _attend_to_output(
     K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
     NG: tl.constexpr, RECENT_WINDOW: tl.constexpr, SINK_TOKENS: tl.constexpr,
+    VAL_MSE: tl.constexpr, VNORM_OFF: tl.constexpr, VCENT: tl.constexpr,
 ):  # fmt: skip
     """One split, tables in-kernel, acc / sum written to ``out`` in its dtype (no merge pass);
     with RECENT_WINDOW, keys inside the window (and the first SINK_TOKENS) come from the
@@ -294,7 +316,8 @@ def _attend_to_output(
         VAL_BITS=VAL_BITS, KEY_FP8=KEY_FP8, NC=NC, NORM_OFF=NORM_OFF, VAL_OFF=VAL_OFF,
         SCALE_OFF=SCALE_OFF, ZERO_OFF=ZERO_OFF, INLINE=True, E5M2=E5M2, INV_SQRT=INV_SQRT,
         CENT=CENT, recent_window=RECENT_WINDOW, sink_tokens=SINK_TOKENS,
-        PART=1 if RECENT_WINDOW > 0 else 0, NG=NG,
+        PART=1 if RECENT_WINDOW > 0 else 0, NG=NG, VAL_MSE=VAL_MSE, VNORM_OFF=VNORM_OFF,
+        VCENT=VCENT,
     )  # fmt: skip
     if RECENT_WINDOW > 0:  # the recent window's keys, then any sink tokens'
         for part in tl.static_range(2, 4 if SINK_TOKENS > 0 else 3):
@@ -307,7 +330,7 @@ def _attend_to_output(
                 MODE=0, NSPLIT=1, SLOT=1, KEY_BITS=KEY_BITS, VAL_BITS=VAL_BITS, KEY_FP8=False,
                 NC=False, NORM_OFF=0, VAL_OFF=0, SCALE_OFF=0, ZERO_OFF=0, INLINE=True,
                 E5M2=False, INV_SQRT=0.0, CENT=None, recent_window=RECENT_WINDOW,
-                sink_tokens=SINK_TOKENS, PART=part, NG=1,
+                sink_tokens=SINK_TOKENS, PART=part, NG=1, VAL_MSE=False, VNORM_OFF=0, VCENT=(),
             )  # fmt: skip
             acc, m, l_sum = _merge_states(acc, m, l_sum, acc2, m2, l2)
     gi = tl.arange(0, G)
@@ -335,6 +358,7 @@ def trt_paged_attention_kernel(
     K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
     NG: tl.constexpr, RECENT_WINDOW: tl.constexpr, SINK_TOKENS: tl.constexpr,
+    VAL_MSE: tl.constexpr, VNORM_OFF: tl.constexpr, VCENT: tl.constexpr, VTH: tl.constexpr,
 ):  # fmt: skip
     """TensorRT order for separate K and V caches (fp8 bytes or the model dtype)."""
     _attend_to_output(
@@ -342,7 +366,7 @@ def trt_paged_attention_kernel(
         recent_v_ptr, recent_tables_ptr, num_seqs, max_blocks, max_recent_blocks, out_ptr, H,
         KVH, GROUPS, G, D, BS, MODE, SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NC, NORM_OFF, VAL_OFF,
         SCALE_OFF, ZERO_OFF, E5M2, K_SCALE, V_SCALE, SM_SCALE, SOFTCAP, WINDOW, INV_SQRT, CENT,
-        NG, RECENT_WINDOW, SINK_TOKENS,
+        NG, RECENT_WINDOW, SINK_TOKENS, VAL_MSE, VNORM_OFF, VCENT,
     )  # fmt: skip
 
 
@@ -359,6 +383,7 @@ def trt_paged_attention_tq_kernel(
     K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, INV_SQRT: tl.constexpr, CENT: tl.constexpr,
     NG: tl.constexpr, RECENT_WINDOW: tl.constexpr, SINK_TOKENS: tl.constexpr,
+    VAL_MSE: tl.constexpr, VNORM_OFF: tl.constexpr, VCENT: tl.constexpr, VTH: tl.constexpr,
 ):  # fmt: skip
     """TensorRT order for a TurboQuant layer: K and V packed in ONE slot tensor."""
     _attend_to_output(
@@ -366,7 +391,7 @@ def trt_paged_attention_tq_kernel(
         recent_v_ptr, recent_tables_ptr, num_seqs, max_blocks, max_recent_blocks, out_ptr, H,
         KVH, GROUPS, G, D, BS, MODE, SLOT, KEY_BITS, VAL_BITS, KEY_FP8, NC, NORM_OFF, VAL_OFF,
         SCALE_OFF, ZERO_OFF, E5M2, K_SCALE, V_SCALE, SM_SCALE, SOFTCAP, WINDOW, INV_SQRT, CENT,
-        NG, RECENT_WINDOW, SINK_TOKENS,
+        NG, RECENT_WINDOW, SINK_TOKENS, VAL_MSE, VNORM_OFF, VCENT,
     )  # fmt: skip
 
 
