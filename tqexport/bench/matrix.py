@@ -13,7 +13,7 @@ from tqexport.errors import TQExportError
 BENCH_DTYPES = (
     "fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head",
     "nvfp4", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",
-    "tqx_k4v4_g32", "tqx_k4v3_g32",
+    "tqx_k4v4_g32", "tqx_k4v3_g32", "tqx_k4v3_mse", "tqx_k4v2_mse",
 )  # fmt: skip
 BENCH_SPEED_DTYPES = ("auto", "fp8", "turboquant_4bit_nc")
 #: bench sizes: quality windows, decode contexts, batches and timed steps
