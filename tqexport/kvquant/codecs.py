@@ -461,22 +461,14 @@ class TurboQuantCodec(Codec):
             self.key_book = _Codebook(head_size, self.preset.key_bits)
         if self.preset.value_mse:
             self.value_book = _Codebook(head_size, self.preset.value_bits)
-        # where the fp16 fields lie: the key norm in its 2 bytes, scales and zeros in the
-        # value parameters (group g's pair at 4g), the value norm in its 2 bytes
+        # where the fp16 fields lie: a norm (key, MSE value) in its 2 bytes; uniform values'
+        # scales and zeros in their parameters (group g's pair at 4g)
         lay = self.layout
         self.norm_weights = fp16_field_weights(2, [0])
-        params = lay.slot_size - lay.value_params_offset
-        self.scale_weights = fp16_field_weights(params, range(0, params, 4))
-        self.zero_weights = fp16_field_weights(params, range(2, params, 4))
-
-    @property
-    def centroids(self) -> torch.Tensor:
-        """The key codebook (MSE keys)."""
-        return self.key_book.centroids
-
-    @property
-    def thresholds(self) -> torch.Tensor:
-        return self.key_book.thresholds
+        if not self.preset.value_mse:
+            params = lay.slot_size - lay.value_params_offset
+            self.scale_weights = fp16_field_weights(params, range(0, params, 4))
+            self.zero_weights = fp16_field_weights(params, range(2, params, 4))
 
     @property
     def tensors(self):

@@ -178,8 +178,8 @@ def _scores(ops: AttentionOperands, qs: torch.Tensor, scale: float) -> torch.Ten
 
 def _apply_values(ops: AttentionOperands, probs: torch.Tensor, seg: _Segment) -> torch.Tensor:
     """``probs [S, KVH, Q, C] @ V [S, KVH, C, D]``, V in factored form (rotated back once when
-    the values are in a rotated basis). Keys that are not real
-    have probability 0, and their bytes may decode to NaN: they are zeroed (their scale and
+    the values are in a rotated basis). Keys that are not real have probability 0; with
+    blocks of one token their bytes may decode to NaN and are zeroed here (their scale and
     zero when the values are finite codes, else the values) so 0 x NaN never occurs."""
     values = ops.values
     if not ops.values_finite:

@@ -61,9 +61,8 @@ def turboquant_tables(head_size: int, key_bits: int, device: str):
 
 def turboquant_inline_tables(codec: TurboQuantCodec) -> dict:
     """INV_SQRT and TH: the fp32 Hadamard entry and thresholds as exact Python floats."""
-    d, p = codec.head_size, codec.preset
-    th = () if p.key_fp8 else tuple(tq.thresholds(tq.centroids(d, p.key_bits)).tolist())
-    return dict(INV_SQRT=float(tq.hadamard(d)[0, 0]), TH=th)
+    th = () if codec.preset.key_fp8 else tuple(codec.key_book.thresholds.tolist())
+    return dict(INV_SQRT=float(tq.hadamard(codec.head_size)[0, 0]), TH=th)
 
 
 def as_fp32(x: float) -> float:

@@ -535,5 +535,4 @@ def trt_kernel_variant(
 
 def tq_centroids(codec: TurboQuantCodec) -> tuple[float, ...]:
     """The layer's fp32 centroid table as exact Python floats (constexpr for in-kernel lookup)."""
-    _, cents, _ = turboquant_tables(codec.head_size, codec.preset.key_bits, "cpu")
-    return tuple(cents.tolist())
+    return tuple(codec.key_book.centroids.tolist())
