@@ -43,7 +43,7 @@ VLLM_DTYPES := fp8,fp8_e5m2,int8_per_token_head,fp8_per_token_head,int4_per_toke
 TQ_DTYPES := turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,tqx_k4v4_g32,tqx_k4v3_g32,tqx_k4v3_mse,tqx_k4v2_mse
 
 bench: install
-	$(BIN)/python -m pip install --quiet -e '.[peers]'
+	$(BIN)/python -m pip install --quiet -e '.[peers,peers-speed]'
 	mkdir -p $(REPORT_DIR)
 	$(QUALITY) --kv-cache-dtype $(VLLM_DTYPES) > $(REPORT_DIR)/quality.json
 	$(QUALITY) --kv-cache-dtype tqx_k4v4_g32,tqx_k4v3_g32,tqx_k4v3_mse,tqx_k4v2_mse --no-peer > $(REPORT_DIR)/quality_native.json
@@ -54,7 +54,8 @@ bench: install
 	$(QUALITY_4K) --kv-cache-dtype tqx_k3v3 --boundary off --recent-window 28 --kv-sink-tokens 4 --kv-key-transform center,center+signs --no-peer > $(REPORT_DIR)/quality_4096_k3.json
 	$(QUALITY_4K) --kv-cache-dtype tqx_k4v3_mse --boundary off --recent-window 184 --kv-sink-tokens 8 --kv-key-transform center --no-peer > $(REPORT_DIR)/quality_4096_mse45.json
 	$(QUALITY_4K) --kv-cache-dtype tqx_k4v2_mse --boundary off --recent-window 60 --kv-sink-tokens 4 --kv-key-transform center --no-peer > $(REPORT_DIR)/quality_4096_mse35.json
-	$(BIN)/tqexport bench report smollm2 -o $(REPORT_DIR) $(foreach f,quality quality_native quality_recent quality_calibrated quality_4096 quality_4096_k4 quality_4096_k3 quality_4096_mse45 quality_4096_mse35,--quality-json $(REPORT_DIR)/$(f).json)
+	$(BIN)/python benchmarks/peers_speed.py --json $(REPORT_DIR)/speed_peers.json
+	$(BIN)/tqexport bench report smollm2 -o $(REPORT_DIR) --peer-speed-json $(REPORT_DIR)/speed_peers.json $(foreach f,quality quality_native quality_recent quality_calibrated quality_4096 quality_4096_k4 quality_4096_k3 quality_4096_mse45 quality_4096_mse35,--quality-json $(REPORT_DIR)/$(f).json)
 	$(BIN)/python benchmarks/codec_throughput.py
 
 # Opt-in, not part of `make test`: TurboQuant slot bytes against vLLM's own store kernel (its wheel

@@ -23,6 +23,7 @@ import json
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -203,9 +204,15 @@ def main():
             del systems
     print_table(rows)
     if args.json:
-        args.json.write_text(
-            json.dumps({"threads": args.threads, "steps": args.steps, "decode": rows}, indent=2)
-        )
+        versions = {"onnxruntime": metadata.version("onnxruntime")}
+        if genai is not None:
+            versions["onnxruntime-genai"] = metadata.version("onnxruntime-genai")
+        if gguf is not None:
+            versions["llama-cpp-python"] = metadata.version("llama-cpp-python")
+        command = " ".join(["benchmarks/peers_speed.py", *sys.argv[1:]])
+        result = {"command": command, "versions": versions, "threads": args.threads,
+                  "steps": args.steps, "decode": rows}  # fmt: skip
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
 
 
 def print_table(rows):

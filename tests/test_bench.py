@@ -2,6 +2,7 @@
 checked against direct computations; evaluation text and chunking; report goals."""
 
 import hashlib
+import json
 import math
 
 import pytest
@@ -232,6 +233,10 @@ def test_speed_measures_every_artifact_and_memory_from_the_spec(artifacts):
         (["quality", "tiny-llama", "--chunks", "1", "--no-peer"], "has no tokenizer"),
         (["speed", "smollm2", "--contexts", "1k"], "--contexts must be positive integers"),
         (["speed", "smollm2", "--budget", "lots"], "--budget: cannot read"),
+        (
+            ["report", "smollm2", "-o", "out/never", "--peer-speed-json", "pyproject.toml"],
+            "--peer-speed-json pyproject.toml is not the output of",
+        ),
     ],
 )
 def test_bench_bad_input_is_one_line_exit_2(args, message):
@@ -330,3 +335,57 @@ def test_report_gives_each_window_size_its_section_and_goals(tmp_path):
     assert "the first 1 windows of 4096 tokens" in tail and "| tqexport | tqx_k3v3 | 3.38 |" in tail
     assert "turboquant_4bit_nc" not in tail and "![PPL change vs bits per element]" in tail
     assert "costs <= 0.6% perplexity: **NOT MET**" in md
+
+
+def _peer_speed():
+    tps = {  # (context, batch) -> tokens/s per system
+        (1024, 1): {"tqexport auto": 20.0, "tqexport fp8": 15.0,
+                    "tqexport turboquant_4bit_nc": 12.0, "ORT GenAI fp32": 24.0,
+                    "llama.cpp q4_0": 50.0},
+        (1024, 8): {"tqexport auto": 72.0, "tqexport fp8": 40.0,
+                    "tqexport turboquant_4bit_nc": 36.0, "ORT GenAI fp32": 80.0},
+        (4096, 1): {"tqexport auto": 10.0, "tqexport fp8": 5.5,
+                    "tqexport turboquant_4bit_nc": 5.0},
+    }  # fmt: skip
+    return {"command": "benchmarks/peers_speed.py --json x", "versions": {"onnxruntime": "1"},
+            "threads": 2, "steps": 4,
+            "decode": [{"context": c, "batch": b, "tokens_per_second": t}
+                       for (c, b), t in tps.items()]}  # fmt: skip
+
+
+def test_peer_speed_goals_are_ratios_within_the_run():
+    got = [(g["met"], g["detail"]) for g in report.peer_speed_goals(_peer_speed())]
+    assert got == [
+        (True, "3.60x: batch 8 / batch 1 = 72.0 / 20.0 tokens/s"),
+        (False, "3.00x: batch 8 / batch 1 = 36.0 / 12.0 tokens/s"),
+        (False, "0.55x: this / auto = 5.5 / 10.0 tokens/s"),
+        (True, "0.50x: this / auto = 5.0 / 10.0 tokens/s"),
+        (True, "0.83x: auto / GenAI = 20.0 / 24.0 tokens/s"),
+        (True, "0.90x: auto / GenAI = 72.0 / 80.0 tokens/s"),
+    ]
+    partial = _peer_speed()
+    partial["decode"] = partial["decode"][:1]  # no batch 8, no 4096
+    assert [g["met"] for g in report.peer_speed_goals(partial)] == [
+        None, None, None, None, True, None
+    ]  # fmt: skip
+
+
+def test_report_renders_a_peer_speed_run(tmp_path):
+    path = tmp_path / "peers.json"
+    path.write_text(json.dumps(_peer_speed()))
+    ps = report.read_peer_speed(path)
+    results = {"model": "m", "command": "c", "rows": [], "quality": None, "peer": None,
+               "peer_note": None, "peer_speed": ps, "goals": report.goals([], None, (), ps),
+               "machine": dict.fromkeys(["cpu", "cores", "memory_gib", "os", "python", "torch",
+                                          "onnxruntime", "transformers"], "x")}  # fmt: skip
+    files = report.write(tmp_path / "r", results)
+    assert {f.name for f in files} == {"results.json", "decode_peers.png", "report.md"}
+    md = (tmp_path / "r" / "report.md").read_text()
+    section = md[md.index("## Decode speed against peers") : md.index("## Goals")]
+    assert "| 1024 | 8 | 72.0 | 40.0 | 36.0 | 80.0 | - | 0.90x |" in section
+    assert "| 1024 | 8 / 1 | 3.60x | 2.67x | 3.00x | 3.33x | - |" in section
+    assert "batch 1 at context 1024: **NOT MET** (3.00x:" in md
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"threads": 2, "steps": 4, "decode": [{"context": 1}]}))
+    with pytest.raises(ValueError, match="not a peer-speed run"):
+        report.read_peer_speed(bad)

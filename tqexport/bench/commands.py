@@ -205,6 +205,13 @@ def bench_report(
             "their own."
         ),
     ] = None,
+    peer_speed_json: Annotated[
+        Path | None,
+        typer.Option(
+            help="Add a `benchmarks/peers_speed.py --json` run (tqexport against ONNX Runtime "
+            "GenAI and llama.cpp): its section, plot and goals."
+        ),
+    ] = None,
 ):
     """Quality + speed side by side: report.md, PNG plots and results.json in OUT.
 
@@ -216,6 +223,15 @@ def bench_report(
 
     validate.integer(chunks, "--chunks", 1, matrix.MAX_BENCH_CHUNKS)
     matrix.speed_args(contexts, batches, 4, "0,32")
+    peer_speed = None
+    if peer_speed_json is not None:
+        try:
+            peer_speed = report.read_peer_speed(peer_speed_json)
+        except (OSError, ValueError):
+            raise TQExportError(
+                f"--peer-speed-json {peer_speed_json} is not the output of "
+                "`benchmarks/peers_speed.py --json`"
+            ) from None
     if quality_json:
         parts = []
         for path in quality_json:
@@ -250,7 +266,8 @@ def bench_report(
         "rows": rows,
         "quality_windows": windows,
         "speed": speed,
-        "goals": report.goals(rows, speed, windows),
+        "peer_speed": peer_speed,
+        "goals": report.goals(rows, speed, windows, peer_speed),
     }
     files = report.write(out, results)
     _print_quality(ours, rows, note)

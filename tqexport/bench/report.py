@@ -140,9 +140,12 @@ def long_window_goals(sections: list[dict]) -> list[dict]:
     return out
 
 
-def goals(rows: list[dict], speed: dict | None, sections: list[dict] = ()) -> list[dict]:
+def goals(
+    rows: list[dict], speed: dict | None, sections: list[dict] = (), peer_speed: dict | None = None
+) -> list[dict]:
     """The report issues' goals, each stated as met, not met, or not measured; ``sections``
-    are the quality sections at other window sizes (their goals only when given)."""
+    are the quality sections at other window sizes and ``peer_speed`` a peer-speed run (their
+    goals only when given)."""
     out = []
     for ours, theirs in (("turboquant_4bit_nc", "q4_0"), ("fp8", "q8_0")):
         a, b = _find(rows, "tqexport", ours), _find(rows, "llama.cpp", theirs)
@@ -176,7 +179,74 @@ def goals(rows: list[dict], speed: dict | None, sections: list[dict] = ()) -> li
             "met": worst < 0.01,
             "detail": f"largest relative gap {100 * worst:.2f}% (whole blocks and the null block)",
         })  # fmt: skip
-    return out + (long_window_goals(sections) if sections else [])
+    out += long_window_goals(sections) if sections else []
+    return out + (peer_speed_goals(peer_speed) if peer_speed else [])
+
+
+#: the batch-scaling goals at context 1024: (system, batch 8 over batch 1 at least)
+SCALING_GOALS = (("tqexport auto", 3.5), ("tqexport turboquant_4bit_nc", 4.0))
+#: the quantized-cost goals at context 4096, batch 1: (system, tokens/s over auto's at least)
+QUANTIZED_COST_GOALS = (("tqexport fp8", 0.6), ("tqexport turboquant_4bit_nc", 0.5))
+#: the goals against ONNX Runtime GenAI at context 1024: (batch, auto over GenAI at least)
+GENAI_GOALS = ((1, 0.8), (8, 0.6))
+GENAI = "ORT GenAI fp32"
+
+
+def read_peer_speed(path: Path) -> dict:
+    """A peer-speed run (``benchmarks/peers_speed.py --json``), checked for what the report
+    reads; ValueError when it is not one."""
+    d = json.loads(path.read_text())
+    rows = d.get("decode") if isinstance(d, dict) else None
+    fields = {"context": int, "batch": int, "tokens_per_second": dict}
+    if not (
+        rows
+        and isinstance(rows, list)
+        and {"threads", "steps"} <= d.keys()
+        and all(isinstance(r, dict) and all(isinstance(r.get(k), t) for k, t in fields.items())
+                for r in rows)
+    ):  # fmt: skip
+        raise ValueError(f"{path} is not a peer-speed run")
+    return d
+
+
+def _tps(peer_speed: dict, context: int, batch: int, system: str) -> float | None:
+    row = next(
+        (r for r in peer_speed["decode"] if (r["context"], r["batch"]) == (context, batch)), None
+    )
+    return None if row is None else row["tokens_per_second"].get(system)
+
+
+def _ratio_goal(goal: str, num: float | None, den: float | None, least: float, what: str):
+    if num is None or den is None:
+        return {"goal": goal, "met": None, "detail": "not measured in this run"}
+    r = num / den
+    return {"goal": goal, "met": r >= least,
+            "detail": f"{r:.2f}x: {what} = {num:.1f} / {den:.1f} tokens/s"}  # fmt: skip
+
+
+def peer_speed_goals(peer_speed: dict) -> list[dict]:
+    """The attention-scaling goals, from one peer-speed run (every ratio within that run)."""
+    out = []
+    for system, least in SCALING_GOALS:
+        out.append(_ratio_goal(
+            f"{system}: batch 8 decodes >= {least}x the tokens/s of batch 1 at context 1024",
+            _tps(peer_speed, 1024, 8, system), _tps(peer_speed, 1024, 1, system), least,
+            "batch 8 / batch 1",
+        ))  # fmt: skip
+    for system, least in QUANTIZED_COST_GOALS:
+        out.append(_ratio_goal(
+            f"{system} decodes at >= {least}x tqexport auto's tokens/s at context 4096, batch 1",
+            _tps(peer_speed, 4096, 1, system), _tps(peer_speed, 4096, 1, "tqexport auto"), least,
+            "this / auto",
+        ))  # fmt: skip
+    for batch, least in GENAI_GOALS:
+        out.append(_ratio_goal(
+            f"tqexport auto decodes at >= {least}x {GENAI}'s tokens/s at context 1024, "
+            f"batch {batch}",
+            _tps(peer_speed, 1024, batch, "tqexport auto"), _tps(peer_speed, 1024, batch, GENAI),
+            least, "auto / GenAI",
+        ))  # fmt: skip
+    return out
 
 
 def plot_quality(rows: list[dict], path: Path) -> None:
@@ -229,6 +299,85 @@ def plot_speed(speed: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_peer_speed(peer_speed: dict, path: Path) -> None:
+    """Decode tokens/s vs context of every system of a peer-speed run, one line per batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = peer_speed["decode"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    names = list(dict.fromkeys(n for r in rows for n in r["tokens_per_second"]))
+    batches = sorted({r["batch"] for r in rows})
+    for i, name in enumerate(names):
+        for j, b in enumerate(batches):
+            pts = [r for r in rows if r["batch"] == b and name in r["tokens_per_second"]]
+            if pts:
+                ax.plot([r["context"] for r in pts], [r["tokens_per_second"][name] for r in pts],
+                        marker="o", color=f"C{i % 10}", ls=["-", "--", ":", "-."][j % 4],
+                        label=f"{name}, batch {b}")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens cached per sequence)")
+    ax.set_ylabel("decode tokens/s (CPU, one run, interleaved)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _peer_speed_markdown(ps: dict) -> list[str]:
+    """The peer-speed section: every system's tokens/s, auto over GenAI, batch scaling."""
+    rows = ps["decode"]
+    names = list(dict.fromkeys(n for r in rows for n in r["tokens_per_second"]))
+    versions = ", ".join(f"{k} {v}" for k, v in ps.get("versions", {}).items())
+    table = _md_table(
+        ["context", "batch", *names, "auto / GenAI"],
+        [
+            [r["context"], r["batch"],
+             *[f"{r['tokens_per_second'][n]:.1f}" if n in r["tokens_per_second"] else "-"
+               for n in names],
+             (f"{r['tokens_per_second']['tqexport auto'] / r['tokens_per_second'][GENAI]:.2f}x"
+              if {"tqexport auto", GENAI} <= set(r["tokens_per_second"]) else "-")]
+            for r in rows
+        ],
+    )  # fmt: skip
+    scaling = []
+    for r in rows:
+        if r["batch"] == 1:
+            continue
+        one = next((x for x in rows if (x["context"], x["batch"]) == (r["context"], 1)), None)
+        if one is None:
+            continue
+        cells = [
+            f"{r['tokens_per_second'][n] / one['tokens_per_second'][n]:.2f}x"
+            if n in r["tokens_per_second"] and n in one["tokens_per_second"] else "-"
+            for n in names
+        ]  # fmt: skip
+        scaling.append([r["context"], f"{r['batch']} / 1", *cells])
+    return [
+        "",
+        "## Decode speed against peers",
+        "",
+        f"`{ps.get('command', 'benchmarks/peers_speed.py')}`"
+        + (f" ({versions})" if versions else "")
+        + f": decode tokens/s, {ps['threads']} intra-op threads each, fastest of {ps['steps']} "
+        "steps after a warm-up, every system's steps interleaved in one process (compare "
+        "ratios, not absolute numbers across runs). `-`: not run (GenAI prefills every "
+        "prompt and is capped in cached tokens; llama.cpp's Python API decodes one sequence).",
+        "",
+        table,
+        "",
+        "Batch scaling (tokens/s at batch B over batch 1, same context):",
+        "",
+        _md_table(["context", "batch", *names], scaling),
+        "",
+        "![decode tokens/s vs context, with peers](decode_peers.png)",
+    ]
 
 
 def _md_table(header: list[str], rows: list[list]) -> str:
@@ -373,6 +522,8 @@ def markdown(results: dict) -> str:
             "",
             "![decode tokens/s vs context](decode_vs_context.png)",
         ]
+    if results.get("peer_speed"):
+        parts += _peer_speed_markdown(results["peer_speed"])
     parts += ["", "## Goals", ""]
     for g in results["goals"]:
         verdict = {True: "MET", False: "NOT MET", None: "NOT MEASURED"}[g["met"]]
@@ -394,6 +545,9 @@ def write(out_dir: Path, results: dict) -> list[Path]:
     if results.get("speed"):
         plot_speed(results["speed"], out_dir / "decode_vs_context.png")
         files.append(out_dir / "decode_vs_context.png")
+    if results.get("peer_speed"):
+        plot_peer_speed(results["peer_speed"], out_dir / "decode_peers.png")
+        files.append(out_dir / "decode_peers.png")
     (out_dir / "report.md").write_text(markdown(results))
     files.append(out_dir / "report.md")
     return files
