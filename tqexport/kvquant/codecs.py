@@ -28,6 +28,7 @@ from tqexport.kvquant.bits import (
     fp16_from_bytes,
     int8_from_bytes,
     int8_to_bytes,
+    lookup,
 )
 from tqexport.kvquant.modes import KVQuantMode, parse_kv_cache_dtype
 from tqexport.kvquant.packing import pack_codes, unpack_codes
@@ -61,16 +62,6 @@ class TensorFormat:
 
 
 CacheTensors = dict[str, torch.Tensor]
-
-
-def lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``table[index]`` for a 1-D ``table`` and integer (or uint8) ``index`` of any shape.
-
-    Written as an element-wise gather (ONNX GatherElements), which ONNX Runtime runs an order
-    of magnitude faster than a Gather or GatherND of single elements.
-    """
-    flat = index.to(torch.int64).reshape(1, -1)
-    return torch.gather(table.reshape(1, -1), 1, flat).reshape(index.shape)
 
 
 def nibbles(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -483,9 +474,10 @@ class TurboQuantCodec(Codec):
         y = (x / (norm.unsqueeze(-1) + NORM_EPS)) @ self.rotation
         return tq.centroid_index(y, book.thresholds), norm
 
-    def _mse_bytes(self, x: torch.Tensor, book: _Codebook) -> torch.Tensor:
+    def _mse_fields(self, x: torch.Tensor, book: _Codebook):
+        """(packed code bytes, fp32 norm ``[..., 1]`` stored as an fp16 field)."""
         idx, norm = self._mse_codes(x, book)
-        return torch.cat([pack_codes(idx, book.bits), tq.fp16_field(norm)], dim=-1)
+        return pack_codes(idx, book.bits), norm.unsqueeze(-1)
 
     def _mse_parts(self, code_bytes: torch.Tensor, norm_bytes: torch.Tensor, book: _Codebook):
         """Decode-side (centroid parts, scale) of packed MSE codes: part i holds elements
@@ -516,10 +508,11 @@ class TurboQuantCodec(Codec):
         """MSE keys: (centroid indices [..., D], fp32 norms [...]) before packing."""
         return self._mse_codes(k, self.key_book)
 
-    def _encode_keys(self, k):
+    def _key_fields(self, k):
+        """(key code bytes, what follows them as fp16 fields ``[..., 0 or 1]``: the norm)."""
         if self.preset.key_fp8:
-            return tq.fp8_key_bytes(k)
-        return self._mse_bytes(k, self.key_book)
+            return tq.fp8_key_bytes(k), k.new_zeros((*k.shape[:-1], 0), dtype=torch.float32)
+        return self._mse_fields(k, self.key_book)
 
     def _norm_bytes(self, slots: torch.Tensor, at: int) -> torch.Tensor:
         return slots[..., at : at + 2]
@@ -554,16 +547,16 @@ class TurboQuantCodec(Codec):
         return (q_rot @ c.transpose(-1, -2)) * norm.unsqueeze(-2) * softmax_scale
 
     # -- values ----------------------------------------------------------------------------
-    def _encode_values(self, v):
+    def _value_fields(self, v):
+        """(value code bytes, what follows them as fp16 fields: the norm of MSE values, else
+        each group's (scale, zero) in slot order ``[..., 2 * groups]``)."""
         if self.preset.value_mse:
-            return self._mse_bytes(v, self.value_book)
+            return self._mse_fields(v, self.value_book)
         groups = self.layout.value_groups
         v = v.float().unflatten(-1, (groups, self.head_size // groups))
         codes, scale, lo = tq.quantize_values(v, self.preset.value_bits)  # NaN/inf as vLLM
-        params = torch.cat([tq.fp16_field(scale), tq.fp16_field(lo)], dim=-1)  # [..., groups, 4]
-        return torch.cat(
-            [pack_codes(codes.flatten(-2), self.preset.value_bits), params.flatten(-2)], dim=-1
-        )
+        packed = pack_codes(codes.flatten(-2), self.preset.value_bits)
+        return packed, torch.stack([scale, lo], dim=-1).flatten(-2)
 
     def decode_values(self, slots: torch.Tensor) -> torch.Tensor:
         lay = self.layout
@@ -582,7 +575,16 @@ class TurboQuantCodec(Codec):
     def encode(self, k, v, out: torch.Tensor | None = None):
         """Slots ``[..., heads, slot_size_aligned]``. With ``out``, write bytes
         ``[0, slot_size)`` into it and leave the padding bytes as they were."""
-        body = torch.cat([self._encode_keys(k), self._encode_values(v)], dim=-1)
+        key_codes, key_halves = self._key_fields(k)
+        value_codes, value_halves = self._value_fields(v)
+        # every fp16 field of the slot in one conversion (a graph's CacheWrite is small tensors
+        # through many nodes: one conversion instead of three is a third of its nodes)
+        halves = tq.fp16_field(torch.cat([key_halves, value_halves], dim=-1))  # [..., n, 2]
+        split = key_halves.shape[-1]
+        body = torch.cat(
+            [key_codes, halves[..., :split, :].flatten(-2),
+             value_codes, halves[..., split:, :].flatten(-2)], dim=-1,
+        )  # fmt: skip
         size = self.layout.slot_size
         if out is None:
             out = torch.zeros(*body.shape[:-1], self.layout.slot_size_aligned, dtype=torch.uint8)
