@@ -42,8 +42,16 @@ QUALITY_4K := $(BIN)/tqexport bench quality smollm2 --chunk 4096 --chunks 1 --js
 VLLM_DTYPES := fp8,fp8_e5m2,int8_per_token_head,fp8_per_token_head,int4_per_token_head,nvfp4,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc
 TQ_DTYPES := turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,tqx_k4v4_g32,tqx_k4v3_g32,tqx_k4v3_mse,tqx_k4v2_mse
 
+# The llama.cpp peer is compiled for this CPU's AVX2 / AVX-512 but never AMX: AMX tile set-up
+# faults in VMs that do not grant it (a general protection fault at ldtilecfg on every eval).
+cpu_has = $(shell grep -m1 -o -w $(1) /proc/cpuinfo)
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	$(if $(call cpu_has,avx512f),-DGGML_AVX512=ON) \
+	$(if $(call cpu_has,avx512_vnni),-DGGML_AVX512_VNNI=ON) \
+	$(if $(call cpu_has,avx512_bf16),-DGGML_AVX512_BF16=ON)
+
 bench: install
-	$(BIN)/python -m pip install --quiet -e '.[peers,peers-speed]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet -e '.[peers,peers-speed]'
 	mkdir -p $(REPORT_DIR)
 	$(QUALITY) --kv-cache-dtype $(VLLM_DTYPES) > $(REPORT_DIR)/quality.json
 	$(QUALITY) --kv-cache-dtype tqx_k4v4_g32,tqx_k4v3_g32,tqx_k4v3_mse,tqx_k4v2_mse --no-peer > $(REPORT_DIR)/quality_native.json
