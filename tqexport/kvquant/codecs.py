@@ -489,8 +489,11 @@ class TurboQuantCodec(Codec):
         else:
             parts = tuple(lookup(book.centroids, c) for c in triplet_codes(code_bytes))
         scale = fp16_fields(norm_bytes, self.norm_weights).squeeze(-1)
-        if self.preset.norm_correction:  # <c, c> from each part's L2 norm (ONNX ReduceL2)
-            sumsq = sum(torch.linalg.vector_norm(c, dim=-1) ** 2 for c in parts)
+        if self.preset.norm_correction:
+            if book.byte_norm2 is not None:  # <c, c> summed over bytes
+                sumsq = lookup(book.byte_norm2, index).sum(-1)
+            else:
+                sumsq = sum((c * c).sum(-1) for c in parts)
             scale = scale / torch.sqrt(sumsq + NC_EPS)
         return parts, scale
 
@@ -645,17 +648,18 @@ class TurboQuantCodec(Codec):
 class _Codebook:
     """One Lloyd-Max codebook of a TurboQuant codec (keys, or the values of ``_mse`` presets):
     centroids, store thresholds, and for 2- and 4-bit codes the decode-side byte tables (byte
-    -> the centroid of each code it packs, bit for bit)."""
+    -> the centroid of each code it packs, bit for bit, and -> their sum of squares)."""
 
     def __init__(self, head_size: int, bits: int):
         self.bits = bits
         self.centroids = tq.centroids(head_size, bits)
         self.thresholds = tq.thresholds(self.centroids)
-        self.byte_parts = None
+        self.byte_parts = self.byte_norm2 = None
         if bits in (2, 4):
             per = 8 // bits
             values = self.centroids[unpack_codes(_EVERY_BYTE[:, None], bits, per).long()]
             self.byte_parts = tuple(values[:, i] for i in range(per))
+            self.byte_norm2 = (values * values).sum(-1)
 
 
 #: Largest head size any codec takes. Real models use at most 256 (Gemma 3); the bound keeps
