@@ -276,39 +276,13 @@ def plot_quality(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_speed(speed: dict, path: Path) -> None:
+def plot_decode(rows: list[dict], path: Path, ylabel: str, log_y: bool = False) -> None:
+    """Decode tokens/s vs context of every system in ``rows``, one line style per batch."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    batches = sorted({r["batch"] for r in speed["decode"]})
-    names = list(speed["decode"][0]["tokens_per_second"])
-    for i, name in enumerate(names):
-        for j, b in enumerate(batches):
-            pts = [r for r in speed["decode"] if r["batch"] == b]
-            ax.plot([r["context"] for r in pts], [r["tokens_per_second"][name] for r in pts],
-                    marker="o", color=f"C{i}", ls=["-", "--", ":", "-."][j % 4],
-                    label=f"{name}, batch {b}")  # fmt: skip
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length (tokens cached per sequence)")
-    ax.set_ylabel("decode tokens/s (ONNX Runtime CPU)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_peer_speed(peer_speed: dict, path: Path) -> None:
-    """Decode tokens/s vs context of every system of a peer-speed run, one line per batch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = peer_speed["decode"]
     fig, ax = plt.subplots(figsize=(8, 5))
     names = list(dict.fromkeys(n for r in rows for n in r["tokens_per_second"]))
     batches = sorted({r["batch"] for r in rows})
@@ -320,10 +294,11 @@ def plot_peer_speed(peer_speed: dict, path: Path) -> None:
                         marker="o", color=f"C{i % 10}", ls=["-", "--", ":", "-."][j % 4],
                         label=f"{name}, batch {b}")  # fmt: skip
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    if log_y:
+        ax.set_yscale("log")
     ax.set_xlabel("context length (tokens cached per sequence)")
-    ax.set_ylabel("decode tokens/s (CPU, one run, interleaved)")
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7 if log_y else 8, ncol=2 if log_y else 1)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -543,10 +518,19 @@ def write(out_dir: Path, results: dict) -> list[Path]:
         plot_quality(sec["rows"], out_dir / _plot_name(sec))
         files.append(out_dir / _plot_name(sec))
     if results.get("speed"):
-        plot_speed(results["speed"], out_dir / "decode_vs_context.png")
+        plot_decode(
+            results["speed"]["decode"],
+            out_dir / "decode_vs_context.png",
+            "decode tokens/s (ONNX Runtime CPU)",
+        )
         files.append(out_dir / "decode_vs_context.png")
     if results.get("peer_speed"):
-        plot_peer_speed(results["peer_speed"], out_dir / "decode_peers.png")
+        plot_decode(
+            results["peer_speed"]["decode"],
+            out_dir / "decode_peers.png",
+            "decode tokens/s (CPU, one run, interleaved)",
+            log_y=True,
+        )
         files.append(out_dir / "decode_peers.png")
     (out_dir / "report.md").write_text(markdown(results))
     files.append(out_dir / "report.md")
