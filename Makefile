@@ -4,9 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench lint clean vllm-parity
+.PHONY: install native test demo bench lint clean vllm-parity
 
-install: $(STAMP)
+install: $(STAMP) native
+
+# The native ONNX Runtime kernels (plugins/), rebuilt only when their sources changed; headers
+# from ORT_INCLUDE_DIR, pkg-config or the system (without them: one warning, bodies run).
+native: $(STAMP)
+	$(BIN)/python -m tqexport.native
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

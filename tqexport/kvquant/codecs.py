@@ -248,6 +248,8 @@ class Fp8PerTensorCodec(Codec):
 
 
 PER_TOKEN_HEAD_MIN_SCALE = 1e-6
+#: largest int8 code of int8_per_token_head, and the top code of int4_per_token_head
+INT8_QMAX, INT4_LEVELS = 127.0, 15
 
 
 class SymmetricPerTokenHeadCodec(Codec):
@@ -259,7 +261,7 @@ class SymmetricPerTokenHeadCodec(Codec):
     def __init__(self, head_size: int, mode: KVQuantMode):
         self.head_size = head_size
         self.mode = mode
-        self.qmax = 127.0 if mode is KVQuantMode.INT8_PER_TOKEN_HEAD else E4M3.max_value
+        self.qmax = INT8_QMAX if mode is KVQuantMode.INT8_PER_TOKEN_HEAD else E4M3.max_value
 
     @property
     def tensors(self):
@@ -343,9 +345,9 @@ class Int4PerTokenHeadCodec(Codec):
     def _quant(x):
         x = x.float()
         lo, hi = x.amin(-1), x.amax(-1)
-        scale = ((hi - lo) / 15).clamp_min(PER_TOKEN_HEAD_MIN_SCALE)
-        zp = (-lo / scale).round().clamp(0, 15)
-        q = (x / scale.unsqueeze(-1) + zp.unsqueeze(-1)).round().clamp(0, 15)
+        scale = ((hi - lo) / INT4_LEVELS).clamp_min(PER_TOKEN_HEAD_MIN_SCALE)
+        zp = (-lo / scale).round().clamp(0, INT4_LEVELS)
+        q = (x / scale.unsqueeze(-1) + zp.unsqueeze(-1)).round().clamp(0, INT4_LEVELS)
         return pack_codes(q, 4), scale, zp.to(torch.uint8)
 
     def _dequant(self, data, scale, zp):

@@ -18,6 +18,8 @@ import torch
 from tqexport.contract.artifact import Artifact
 from tqexport.contract.caches import allocate_caches, cache_output_name
 from tqexport.errors import TQExportError
+from tqexport.native.library import KernelChoice
+from tqexport.native.library import choose as choose_kernels
 
 #: Session settings, chosen by measurement (README "Benchmarks", ``benchmarks/ort_options.py``):
 #: every graph optimization (the common-subexpression pass that computes the layers' shared
@@ -84,10 +86,12 @@ class OrtBackend:
         in_place=True,
         device: str | None = None,
         options: dict | None = None,
+        kernels: str = "auto",
     ):
         """``device``: where caches live, ``"cpu"`` or ``"cuda"`` (default: cuda when the CUDA
         provider is available, else cpu). ``options``: overrides of :data:`DEFAULT_OPTIONS`
-        (see :func:`session_options`)."""
+        (see :func:`session_options`). ``kernels``: what runs the tqexport nodes on the CPU
+        (:data:`tqexport.native.library.KERNEL_CHOICES`; ``kernel_choice`` says what did)."""
         available = providers()
         if device is None:
             device = "cuda" if "CUDAExecutionProvider" in available else "cpu"
@@ -104,10 +108,18 @@ class OrtBackend:
         self.spec = artifact.spec
         self.in_place = in_place
         self.device = device
+        opts = session_options(threads, **(options or {}))
+        if device == "cpu":
+            self.kernel_choice = choose_kernels(artifact.spec, kernels)
+        elif kernels == "native":
+            raise TQExportError("--kernels native runs on the CPU only; use --kernels bodies")
+        else:
+            self.kernel_choice = KernelChoice("bodies", None, "function bodies (CUDA provider)")
+        if self.kernel_choice.library is not None:
+            opts.register_custom_ops_library(str(self.kernel_choice.library))
         self.session = ort.InferenceSession(
-            str(artifact.model_file), session_options(threads, **(options or {})),
-            providers=session_providers,
-        )  # fmt: skip
+            str(artifact.model_file), opts, providers=session_providers
+        )
         self.input_names = [i.name for i in self.session.get_inputs()]
         host = {n: t.numpy() for n, t in allocate_caches(self.spec, num_blocks).items()}
         #: cache input name -> its buffer as an OrtValue on ``device`` (CPU: wraps ``caches``)

@@ -1,0 +1,187 @@
+// Decode of every cache format (inline: the attention loop reads each slot through these).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "formats.h"
+
+namespace tqx {
+namespace detail {
+
+inline void unpack_lookup(const uint8_t* in, int n, int bits, const float* table, float* out) {
+  if (bits == 4) {
+    for (int i = 0; i < n / 2; ++i) {
+      const uint8_t b = in[i];
+      out[2 * i] = table[b & 15];
+      out[2 * i + 1] = table[b >> 4];
+    }
+  } else if (bits == 2) {
+    for (int i = 0; i < n / 4; ++i) {
+      const uint8_t b = in[i];
+      out[4 * i] = table[b & 3];
+      out[4 * i + 1] = table[(b >> 2) & 3];
+      out[4 * i + 2] = table[(b >> 4) & 3];
+      out[4 * i + 3] = table[b >> 6];
+    }
+  } else {  // 3 bits
+    for (int g = 0; g < n / 8; ++g) {
+      const uint32_t w = in[3 * g] | (in[3 * g + 1] << 8) | (in[3 * g + 2] << 16);
+      for (int j = 0; j < 8; ++j) out[8 * g + j] = table[(w >> (3 * j)) & 7];
+    }
+  }
+}
+
+inline float get_half(const uint8_t* p) { return half_value(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
+
+inline float nvfp4_value(int code) {
+  const float m = gen::kE2M1[code & 7];
+  return code >= 8 ? -m : m;
+}
+
+inline void nvfp4_decode(const uint8_t* in, int d, float global_scale, float* out) {
+  for (int b = 0; b < d / gen::kNvfp4Block; ++b) {
+    const float s = gen::kE4M3[in[d / 2 + b]] * global_scale;
+    for (int i = 0; i < gen::kNvfp4Block / 2; ++i) {
+      const uint8_t byte = in[b * gen::kNvfp4Block / 2 + i];
+      out[b * gen::kNvfp4Block + 2 * i] = nvfp4_value(byte & 15) * s;
+      out[b * gen::kNvfp4Block + 2 * i + 1] = nvfp4_value(byte >> 4) * s;
+    }
+  }
+}
+
+}  // namespace detail
+
+using detail::get_half;
+using detail::nvfp4_decode;
+using detail::unpack_lookup;
+
+inline float decode_key(const Format& f, const CacheView& c, int64_t th, float* out) {
+  const int d = f.head_size;
+  switch (f.mode) {
+    case Mode::NONE:
+      if (f.storage == Elem::F32) {
+        std::memcpy(out, c.data[0] + th * d * 4, d * 4);
+      } else {
+        for (int i = 0; i < d; ++i) out[i] = load_elem(c.data[0] + th * d * 2, f.storage, i);
+      }
+      return 1.0f;
+    case Mode::FP8_PER_TENSOR: {
+      const uint8_t* b = c.data[0] + th * d;
+      for (int i = 0; i < d; ++i) out[i] = f.k_table[b[i]];
+      return 1.0f;
+    }
+    case Mode::INT8_PER_TOKEN_HEAD: {
+      const int8_t* b = reinterpret_cast<const int8_t*>(c.data[0]) + th * d;
+      for (int i = 0; i < d; ++i) out[i] = b[i];
+      return reinterpret_cast<const float*>(c.data[2])[th];
+    }
+    case Mode::FP8_PER_TOKEN_HEAD: {
+      const uint8_t* b = c.data[0] + th * d;
+      for (int i = 0; i < d; ++i) out[i] = gen::kE4M3[b[i]];
+      return reinterpret_cast<const float*>(c.data[2])[th];
+    }
+    case Mode::INT4_PER_TOKEN_HEAD: {
+      const uint8_t* b = c.data[0] + th * (d / 2);
+      const float zp = c.data[4][th];
+      const float s = reinterpret_cast<const float*>(c.data[2])[th];
+      for (int i = 0; i < d / 2; ++i) {
+        out[2 * i] = (static_cast<float>(b[i] & 15) - zp) * s;
+        out[2 * i + 1] = (static_cast<float>(b[i] >> 4) - zp) * s;
+      }
+      return 1.0f;
+    }
+    case Mode::NVFP4:
+      nvfp4_decode(c.data[0] + th * (d / 2 + d / gen::kNvfp4Block), d, f.k_scale, out);
+      return 1.0f;
+    case Mode::TURBOQUANT: {
+      const auto& lay = *f.layout;
+      const uint8_t* slot = c.data[0] + th * lay.slot_size_aligned;
+      if (f.preset->key_bits == 8) {
+        for (int i = 0; i < d; ++i) out[i] = gen::kE4M3[slot[i]];
+        return 1.0f;
+      }
+      unpack_lookup(slot, d, f.preset->key_bits, f.key_book->centroids, out);
+      float scale = get_half(slot + lay.key_norm_offset);
+      if (f.preset->norm_correction) {
+        float sumsq = 0.0f;
+        for (int i = 0; i < d; ++i) sumsq += out[i] * out[i];
+        scale = scale / std::sqrt(sumsq + gen::kNcEps);
+      }
+      return scale;
+    }
+  }
+  return 1.0f;
+}
+
+inline void decode_value(const Format& f, const CacheView& c, int64_t th, float* out) {
+  const int d = f.head_size;
+  switch (f.mode) {
+    case Mode::NONE:
+      if (f.storage == Elem::F32) {
+        std::memcpy(out, c.data[1] + th * d * 4, d * 4);
+      } else {
+        for (int i = 0; i < d; ++i) out[i] = load_elem(c.data[1] + th * d * 2, f.storage, i);
+      }
+      return;
+    case Mode::FP8_PER_TENSOR: {
+      const uint8_t* b = c.data[1] + th * d;
+      for (int i = 0; i < d; ++i) out[i] = f.v_table[b[i]];
+      return;
+    }
+    case Mode::INT8_PER_TOKEN_HEAD: {
+      const int8_t* b = reinterpret_cast<const int8_t*>(c.data[1]) + th * d;
+      const float s = reinterpret_cast<const float*>(c.data[3])[th];
+      for (int i = 0; i < d; ++i) out[i] = b[i] * s;
+      return;
+    }
+    case Mode::FP8_PER_TOKEN_HEAD: {
+      const uint8_t* b = c.data[1] + th * d;
+      const float s = reinterpret_cast<const float*>(c.data[3])[th];
+      for (int i = 0; i < d; ++i) out[i] = gen::kE4M3[b[i]] * s;
+      return;
+    }
+    case Mode::INT4_PER_TOKEN_HEAD: {
+      const uint8_t* b = c.data[1] + th * (d / 2);
+      const float zp = c.data[5][th];
+      const float s = reinterpret_cast<const float*>(c.data[3])[th];
+      for (int i = 0; i < d / 2; ++i) {
+        out[2 * i] = (static_cast<float>(b[i] & 15) - zp) * s;
+        out[2 * i + 1] = (static_cast<float>(b[i] >> 4) - zp) * s;
+      }
+      return;
+    }
+    case Mode::NVFP4:
+      nvfp4_decode(c.data[1] + th * (d / 2 + d / gen::kNvfp4Block), d, f.v_scale, out);
+      return;
+    case Mode::TURBOQUANT: {
+      const auto& lay = *f.layout;
+      const auto& p = *f.preset;
+      const uint8_t* slot = c.data[0] + th * lay.slot_size_aligned;
+      const uint8_t* codes = slot + lay.value_offset;
+      if (p.value_mse) {
+        unpack_lookup(codes, d, p.value_bits, f.value_book->centroids, out);
+        float scale = get_half(slot + lay.value_norm_offset);
+        if (p.norm_correction) {
+          float sumsq = 0.0f;
+          for (int i = 0; i < d; ++i) sumsq += out[i] * out[i];
+          scale = scale / std::sqrt(sumsq + gen::kNcEps);
+        }
+        for (int i = 0; i < d; ++i) out[i] *= scale;
+        return;
+      }
+      static const float kIdentity[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      unpack_lookup(codes, d, p.value_bits, kIdentity, out);
+      const int n = d / lay.value_groups;
+      for (int g = 0; g < lay.value_groups; ++g) {
+        const uint8_t* params = slot + lay.value_params_offset + 4 * g;
+        const float s = get_half(params), z = get_half(params + 2);
+        for (int i = g * n; i < (g + 1) * n; ++i) out[i] = out[i] * s + z;
+      }
+      return;
+    }
+  }
+}
+
+}  // namespace tqx

@@ -1,0 +1,515 @@
+// The tqexport custom-op library for ONNX Runtime: CacheWrite and PagedAttention of every
+// cache format, reading the same node attributes as the TensorRT plugins. Every index taken
+// from a tensor is checked before use; bad input returns an error status naming it.
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+#undef ORT_API_MANUAL_INIT
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "attention.h"
+#include "formats.h"
+
+#define TQX_STR2(x) #x
+#define TQX_STR(x) TQX_STR2(x)
+
+#ifndef TQX_SOURCE_HASH
+#define TQX_SOURCE_HASH "unknown"
+#endif
+
+namespace tqx {
+namespace {
+
+const OrtApi* g_api = nullptr;
+constexpr const char* kDomain = "tqexport";
+
+struct Error {
+  std::string message;
+};
+
+OrtStatus* status(const std::string& op, int64_t layer, const std::string& what) {
+  const std::string msg = "tqexport " + op + " (layer " + std::to_string(layer) + "): " + what;
+  return g_api->CreateStatus(ORT_INVALID_ARGUMENT, msg.c_str());
+}
+
+// -- attributes -------------------------------------------------------------------------------
+bool attr_string(const OrtKernelInfo* info, const char* name, std::string& out) {
+  size_t size = 0;
+  OrtStatus* st = g_api->KernelInfoGetAttribute_string(info, name, nullptr, &size);
+  if (st) {
+    g_api->ReleaseStatus(st);
+    return false;
+  }
+  std::string buf(size, '\0');
+  st = g_api->KernelInfoGetAttribute_string(info, name, buf.data(), &size);
+  if (st) {
+    g_api->ReleaseStatus(st);
+    return false;
+  }
+  out.assign(buf.c_str());
+  return true;
+}
+
+bool attr_int(const OrtKernelInfo* info, const char* name, int64_t& out) {
+  OrtStatus* st = g_api->KernelInfoGetAttribute_int64(info, name, &out);
+  if (st) g_api->ReleaseStatus(st);
+  return st == nullptr;
+}
+
+bool attr_float(const OrtKernelInfo* info, const char* name, float& out) {
+  OrtStatus* st = g_api->KernelInfoGetAttribute_float(info, name, &out);
+  if (st) g_api->ReleaseStatus(st);
+  return st == nullptr;
+}
+
+// The attributes both ops carry (tqexport.ops.attributes.cache_write_attrs).
+struct CacheAttrs {
+  std::string kv_cache_dtype, model_dtype;
+  int64_t kv_heads = 0, head_size = 0, block_size = 0, layer = -1;
+  float k_scale = 1.0f, v_scale = 1.0f;
+  Format format;
+  Elem model = Elem::F32;
+};
+
+std::string read_cache_attrs(const OrtKernelInfo* info, CacheAttrs& a) {
+  attr_int(info, "layer", a.layer);
+  if (!attr_string(info, "kv_cache_dtype", a.kv_cache_dtype)) return "missing kv_cache_dtype";
+  if (!attr_string(info, "model_dtype", a.model_dtype)) return "missing model_dtype";
+  if (!attr_int(info, "num_kv_heads", a.kv_heads) || a.kv_heads < 1)
+    return "missing or bad num_kv_heads";
+  if (!attr_int(info, "head_size", a.head_size)) return "missing head_size";
+  if (!attr_int(info, "block_size", a.block_size) || a.block_size < 1)
+    return "missing or bad block_size";
+  if (!attr_float(info, "k_scale", a.k_scale) || !attr_float(info, "v_scale", a.v_scale))
+    return "missing k_scale/v_scale";
+  if (a.model_dtype == "float32") a.model = Elem::F32;
+  else if (a.model_dtype == "float16") a.model = Elem::F16;
+  else if (a.model_dtype == "bfloat16") a.model = Elem::BF16;
+  else return "unknown model_dtype '" + a.model_dtype + "'";
+  return resolve_format(a.format, a.kv_cache_dtype, a.model_dtype,
+                        static_cast<int>(a.head_size), a.k_scale, a.v_scale);
+}
+
+// -- tensors ----------------------------------------------------------------------------------
+ONNXTensorElementDataType onnx_type(Elem e) {
+  switch (e) {
+    case Elem::F32: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    case Elem::F16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    case Elem::BF16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
+    default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+  }
+}
+
+struct Tensor {
+  const OrtValue* value = nullptr;
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+  int64_t numel() const {
+    int64_t n = 1;
+    for (auto d : shape) n *= d;
+    return n;
+  }
+};
+
+void check(OrtStatus* st) {
+  if (st) {
+    std::string msg = g_api->GetErrorMessage(st);
+    g_api->ReleaseStatus(st);
+    throw Error{msg};
+  }
+}
+
+Tensor input(OrtKernelContext* ctx, size_t i) {
+  Tensor t;
+  check(g_api->KernelContext_GetInput(ctx, i, &t.value));
+  if (!t.value) throw Error{"input " + std::to_string(i) + " is missing"};
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  check(g_api->GetTensorTypeAndShape(t.value, &info));
+  size_t rank = 0;
+  OrtStatus* st = g_api->GetTensorElementType(info, &t.type);
+  if (!st) st = g_api->GetDimensionsCount(info, &rank);
+  t.shape.resize(rank);
+  if (!st) st = g_api->GetDimensions(info, t.shape.data(), rank);
+  g_api->ReleaseTensorTypeAndShapeInfo(info);
+  check(st);
+  void* data = nullptr;  // inputs are only read (1.21's API has no const accessor)
+  check(g_api->GetTensorMutableData(const_cast<OrtValue*>(t.value), &data));
+  t.data = data;
+  return t;
+}
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::ostringstream o;
+  o << "[";
+  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
+  o << "]";
+  return o.str();
+}
+
+void expect(const Tensor& t, const char* name, ONNXTensorElementDataType type,
+            const std::vector<int64_t>& shape) {
+  if (t.type != type)
+    throw Error{std::string(name) + " has element type " + std::to_string(t.type) +
+                ", expected " + std::to_string(type)};
+  bool ok = t.shape.size() == shape.size();
+  for (size_t i = 0; ok && i < shape.size(); ++i) ok = shape[i] < 0 || shape[i] == t.shape[i];
+  if (!ok) throw Error{std::string(name) + " has shape " + shape_str(t.shape) + ", expected " +
+                      shape_str(shape) + " (-1: any)"};
+}
+
+// The cache tensors of a format at inputs [first, first + n): checked, viewed.
+CacheView cache_inputs(OrtKernelContext* ctx, size_t first, const Format& f, int64_t block_size,
+                       int64_t kv_heads, std::vector<Tensor>& out, const char* prefix) {
+  CacheView view;
+  int64_t blocks = -1;
+  for (size_t i = 0; i < f.tensors.size(); ++i) {
+    const TensorFmt& tf = f.tensors[i];
+    Tensor t = input(ctx, first + i);
+    std::vector<int64_t> shape{blocks, block_size, kv_heads};
+    if (!tf.scalar) shape.push_back(tf.width);
+    const std::string name = std::string(prefix) + tf.role;
+    expect(t, name.c_str(), onnx_type(tf.elem), shape);
+    if (t.shape[0] < 1) throw Error{name + " has no blocks"};
+    blocks = t.shape[0];
+    view.data[i] = static_cast<const uint8_t*>(t.data);
+    view.width[i] = tf.width;
+    view.elem[i] = elem_size(tf.elem);
+    out.push_back(t);
+  }
+  return view;
+}
+
+template <typename T>
+std::vector<int64_t> widen(const Tensor& t) {
+  const T* p = static_cast<const T*>(t.data);
+  return std::vector<int64_t>(p, p + t.numel());
+}
+
+std::vector<float> to_float(const void* data, Elem e, int64_t n) {
+  std::vector<float> out(n);
+  if (e == Elem::F32) {
+    std::memcpy(out.data(), data, n * 4);
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = load_elem(data, e, i);
+  }
+  return out;
+}
+
+struct ParallelCtx {
+  const std::function<void(size_t)>* fn;
+};
+
+void trampoline(void* user, size_t i) { (*static_cast<ParallelCtx*>(user)->fn)(i); }
+
+void parallel(OrtKernelContext* ctx, size_t total, const std::function<void(size_t)>& fn) {
+  if (total == 0) return;
+  if (total == 1) {
+    fn(0);
+    return;
+  }
+  ParallelCtx pc{&fn};
+  check(g_api->KernelContext_ParallelFor(ctx, trampoline, total, 0, &pc));
+}
+
+// -- CacheWrite -------------------------------------------------------------------------------
+struct CacheWriteKernel {
+  CacheAttrs a;
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* ctx) {
+    try {
+      compute(ctx);
+      return nullptr;
+    } catch (const Error& e) {
+      return status("CacheWrite", a.layer, e.message);
+    } catch (const std::exception& e) {
+      return status("CacheWrite", a.layer, e.what());
+    }
+  }
+
+  void compute(OrtKernelContext* ctx) {
+    const Format& f = a.format;
+    const size_t n = f.tensors.size();
+    size_t count = 0;
+    check(g_api->KernelContext_GetInputCount(ctx, &count));
+    if (count != n + 3)
+      throw Error{"expected " + std::to_string(n + 3) + " inputs (" + std::to_string(n) +
+                  " cache tensors, k, v, slot_mapping) for " + a.kv_cache_dtype + ", got " +
+                  std::to_string(count)};
+    std::vector<Tensor> caches;
+    cache_inputs(ctx, 0, f, a.block_size, a.kv_heads, caches, "cache ");
+    const int64_t blocks = caches[0].shape[0];
+    const Tensor k = input(ctx, n), v = input(ctx, n + 1), slots = input(ctx, n + 2);
+    expect(slots, "slot_mapping", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, {-1});
+    const int64_t tokens = slots.shape[0];
+    expect(k, "k", onnx_type(a.model), {tokens, a.kv_heads, a.head_size});
+    expect(v, "v", onnx_type(a.model), {tokens, a.kv_heads, a.head_size});
+    const int64_t* slot = static_cast<const int64_t*>(slots.data);
+    const int64_t rows = blocks * a.block_size;
+    for (int64_t t = 0; t < tokens; ++t)
+      if (slot[t] >= rows)
+        throw Error{"slot_mapping[" + std::to_string(t) + "] = " + std::to_string(slot[t]) +
+                    " is outside the cache (" + std::to_string(blocks) + " blocks of " +
+                    std::to_string(a.block_size) + ")"};
+    std::vector<uint8_t*> out(n);
+    for (size_t i = 0; i < n; ++i) {
+      OrtValue* o = nullptr;
+      check(g_api->KernelContext_GetOutput(ctx, i, caches[i].shape.data(), caches[i].shape.size(),
+                                           &o));
+      void* p = nullptr;
+      check(g_api->GetTensorMutableData(o, &p));
+      out[i] = static_cast<uint8_t*>(p);
+      if (p != caches[i].data)  // not bound in place: the output starts as a copy
+        std::memcpy(p, caches[i].data, caches[i].numel() * elem_size(f.tensors[i].elem));
+    }
+    const int64_t d = a.head_size, per_token = a.kv_heads * d;
+    auto write = [&](int64_t t, int64_t row) {
+      std::vector<float> kf = to_float(static_cast<const uint8_t*>(k.data) +
+                                           t * per_token * elem_size(a.model), a.model, per_token);
+      std::vector<float> vf = to_float(static_cast<const uint8_t*>(v.data) +
+                                           t * per_token * elem_size(a.model), a.model, per_token);
+      std::vector<float> scratch(d);
+      for (int64_t h = 0; h < a.kv_heads; ++h)
+        encode(f, kf.data() + h * d, vf.data() + h * d, out.data(), row * a.kv_heads + h,
+               scratch.data());
+    };
+    parallel(ctx, static_cast<size_t>(tokens), [&](size_t t) {
+      if (slot[t] >= 0) write(static_cast<int64_t>(t), slot[t]);
+    });
+    for (int64_t t = 0; t < tokens; ++t)  // padding lands in the null block's row 0, in order
+      if (slot[t] < 0) write(t, 0);
+  }
+};
+
+// -- PagedAttention ---------------------------------------------------------------------------
+struct PagedAttentionKernel {
+  CacheAttrs a;
+  int64_t num_heads = 0, window = 0, recent_window = 0, sink_tokens = 0;
+  float scale = 1.0f, softcap = 0.0f;
+  Format recent_format;
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* ctx) {
+    try {
+      compute(ctx);
+      return nullptr;
+    } catch (const Error& e) {
+      return status("PagedAttention", a.layer, e.message);
+    } catch (const std::exception& e) {
+      return status("PagedAttention", a.layer, e.what());
+    }
+  }
+
+  static void check_table(const Tensor& t, const char* name, int64_t seqs, int64_t blocks) {
+    expect(t, name, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, {seqs, -1});
+    const int32_t* p = static_cast<const int32_t*>(t.data);
+    for (int64_t i = 0; i < t.numel(); ++i)
+      if (p[i] < 0 || p[i] >= blocks)
+        throw Error{std::string(name) + "[" + std::to_string(i / std::max<int64_t>(t.shape[1], 1)) +
+                    "][" + std::to_string(i % std::max<int64_t>(t.shape[1], 1)) + "] = " +
+                    std::to_string(p[i]) + " is outside the cache's " + std::to_string(blocks) +
+                    " blocks"};
+  }
+
+  void compute(OrtKernelContext* ctx) {
+    const Format& f = a.format;
+    const size_t n = f.tensors.size();
+    const size_t expected = 1 + n + 4 + (recent_window ? 3 : 0);
+    size_t count = 0;
+    check(g_api->KernelContext_GetInputCount(ctx, &count));
+    if (count != expected)
+      throw Error{"expected " + std::to_string(expected) + " inputs for " + a.kv_cache_dtype +
+                  (recent_window ? " with a recent window" : "") + ", got " +
+                  std::to_string(count)};
+    const Tensor q = input(ctx, 0);
+    expect(q, "q", onnx_type(a.model), {-1, num_heads, a.head_size});
+    const int64_t tokens = q.shape[0];
+    std::vector<Tensor> caches;
+    AttentionStep s{};
+    s.main.format = &f;
+    s.main.view = cache_inputs(ctx, 1, f, a.block_size, a.kv_heads, caches, "cache ");
+    const int64_t blocks = caches[0].shape[0];
+    const Tensor tables = input(ctx, 1 + n), lens = input(ctx, 2 + n);
+    const Tensor starts = input(ctx, 3 + n), positions = input(ctx, 4 + n);
+    expect(lens, "seq_lens", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, {-1});
+    const int64_t seqs = lens.shape[0];
+    check_table(tables, "block_tables", seqs, blocks);
+    expect(starts, "query_start_loc", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, {seqs + 1});
+    expect(positions, "positions", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, {tokens});
+    std::vector<int64_t> seq_lens = widen<int32_t>(lens), query_start = widen<int32_t>(starts);
+    const int64_t width = tables.shape[1];
+    for (int64_t i = 0; i < seqs; ++i) {
+      if (seq_lens[i] < 0 || seq_lens[i] > width * a.block_size)
+        throw Error{"seq_lens[" + std::to_string(i) + "] = " + std::to_string(seq_lens[i]) +
+                    " is beyond its block table (" + std::to_string(width) + " blocks of " +
+                    std::to_string(a.block_size) + ")"};
+    }
+    for (int64_t i = 0; i <= seqs; ++i) {
+      const int64_t lo = i ? query_start[i - 1] : 0;
+      if (query_start[i] < lo || query_start[i] > tokens)
+        throw Error{"query_start_loc[" + std::to_string(i) + "] = " +
+                    std::to_string(query_start[i]) + " is not in [" + std::to_string(lo) + ", " +
+                    std::to_string(tokens) + "]"};
+    }
+    s.main.table = static_cast<const int32_t*>(tables.data);
+    s.main.width = width;
+    std::vector<Tensor> recent;
+    if (recent_window) {
+      s.recent.format = &recent_format;
+      s.recent.view = cache_inputs(ctx, 5 + n, recent_format, a.block_size, a.kv_heads, recent,
+                                   "recent cache ");
+      const Tensor rt = input(ctx, 7 + n);
+      check_table(rt, "recent_block_tables", seqs, recent[0].shape[0]);
+      s.recent.table = static_cast<const int32_t*>(rt.data);
+      s.recent.width = rt.shape[1];
+    }
+    std::vector<int64_t> dims{tokens, num_heads, a.head_size};
+    OrtValue* o = nullptr;
+    check(g_api->KernelContext_GetOutput(ctx, 0, dims.data(), dims.size(), &o));
+    void* out_data = nullptr;
+    check(g_api->GetTensorMutableData(o, &out_data));
+    const int64_t numel = tokens * num_heads * a.head_size;
+    std::vector<float> qf, of;
+    if (a.model == Elem::F32) {
+      s.q = static_cast<const float*>(q.data);
+      s.out = static_cast<float*>(out_data);
+    } else {
+      qf = to_float(q.data, a.model, numel);
+      of.resize(numel);
+      s.q = qf.data();
+      s.out = of.data();
+    }
+    s.format = &f;
+    s.num_heads = static_cast<int>(num_heads);
+    s.kv_heads = static_cast<int>(a.kv_heads);
+    s.head_size = static_cast<int>(a.head_size);
+    s.block_size = static_cast<int>(a.block_size);
+    s.scale = scale;
+    s.softcap = softcap;
+    s.window = window;
+    s.recent_window = recent_window;
+    s.sink_tokens = sink_tokens;
+    s.seq_lens = seq_lens.data();
+    s.query_start = query_start.data();
+    s.positions = static_cast<const int64_t*>(positions.data);
+    s.num_seqs = seqs;
+    s.num_tokens = tokens;
+    paged_attention(s, [&](size_t total, const std::function<void(size_t)>& fn) {
+      parallel(ctx, total, fn);
+    });
+    if (a.model != Elem::F32)
+      for (int64_t i = 0; i < numel; ++i) store_elem(out_data, a.model, i, of[i]);
+  }
+};
+
+// -- op schemas -------------------------------------------------------------------------------
+template <typename Kernel>
+OrtStatusPtr create_kernel(const char* op, const OrtKernelInfo* info, void** kernel,
+                           std::string (*setup)(const OrtKernelInfo*, Kernel&)) {
+  auto k = std::make_unique<Kernel>();
+  std::string err = read_cache_attrs(info, k->a);
+  if (err.empty()) err = setup(info, *k);
+  if (!err.empty()) return status(op, k->a.layer, err);
+  *kernel = k.release();
+  return nullptr;
+}
+
+struct CacheWriteOp : Ort::CustomOpBase<CacheWriteOp, CacheWriteKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
+    return create_kernel<CacheWriteKernel>(
+        "CacheWrite", info, kernel, [](const OrtKernelInfo*, CacheWriteKernel&) {
+          return std::string();
+        });
+  }
+  const char* GetName() const { return "CacheWrite"; }
+  size_t GetInputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetInputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t) const {
+    return INPUT_OUTPUT_VARIADIC;
+  }
+  int GetVariadicInputMinArity() const { return 4; }
+  bool GetVariadicInputHomogeneity() const { return false; }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t) const {
+    return INPUT_OUTPUT_VARIADIC;
+  }
+  int GetVariadicOutputMinArity() const { return 1; }
+  bool GetVariadicOutputHomogeneity() const { return false; }
+};
+
+std::string setup_attention(const OrtKernelInfo* info, PagedAttentionKernel& k) {
+  if (!attr_int(info, "num_heads", k.num_heads) || k.num_heads < 1 ||
+      k.num_heads % k.a.kv_heads)
+    return "num_heads must be a positive multiple of num_kv_heads";
+  if (!attr_float(info, "scale", k.scale)) return "missing scale";
+  attr_float(info, "softcap", k.softcap);
+  attr_int(info, "window", k.window);
+  attr_int(info, "recent_window", k.recent_window);
+  attr_int(info, "sink_tokens", k.sink_tokens);
+  if (k.window < 0 || k.recent_window < 0 || k.sink_tokens < 0)
+    return "window, recent_window and sink_tokens must be >= 0";
+  if (k.sink_tokens && !k.recent_window) return "sink_tokens need a recent_window";
+  if (k.recent_window)
+    return resolve_format(k.recent_format, "auto", k.a.model_dtype,
+                          static_cast<int>(k.a.head_size), 1.0f, 1.0f);
+  return "";
+}
+
+struct PagedAttentionOp : Ort::CustomOpBase<PagedAttentionOp, PagedAttentionKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
+    return create_kernel<PagedAttentionKernel>("PagedAttention", info, kernel, setup_attention);
+  }
+  const char* GetName() const { return "PagedAttention"; }
+  size_t GetInputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetInputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t) const {
+    return INPUT_OUTPUT_VARIADIC;
+  }
+  int GetVariadicInputMinArity() const { return 6; }
+  bool GetVariadicInputHomogeneity() const { return false; }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+};
+
+CacheWriteOp g_cache_write;
+PagedAttentionOp g_paged_attention;
+
+}  // namespace
+}  // namespace tqx
+
+extern "C" {
+
+// What this library was built from, for the loader's staleness check.
+__attribute__((visibility("default"))) const char* tqx_build_info() {
+  return "{\"ort_api_version\": " TQX_STR(ORT_API_VERSION) ", \"source_hash\": \"" TQX_SOURCE_HASH
+         "\"}";
+}
+
+__attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
+RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  if (!api) return nullptr;  // an older runtime: nothing can be reported through its API
+  tqx::g_api = api;
+  Ort::InitApi(api);
+  OrtCustomOpDomain* domain = nullptr;
+  if (OrtStatus* st = api->CreateCustomOpDomain(tqx::kDomain, &domain)) return st;
+  if (OrtStatus* st = api->CustomOpDomain_Add(domain, &tqx::g_cache_write)) return st;
+  if (OrtStatus* st = api->CustomOpDomain_Add(domain, &tqx::g_paged_attention)) return st;
+  return api->AddCustomOpDomain(options, domain);
+}
+
+}  // extern "C"

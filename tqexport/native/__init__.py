@@ -1,0 +1,1 @@
+"""Native ONNX Runtime kernels (``plugins/``): their generated constants, build and loading."""

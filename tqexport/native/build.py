@@ -1,0 +1,141 @@
+"""Build the native ONNX Runtime kernels (``plugins/``) with the system C++ compiler.
+
+Headers come from ``ORT_INCLUDE_DIR``, then pkg-config (``libonnxruntime``), then the system
+include path. The library records the ORT API version it was built for and a hash of
+everything it was built from (sources, the generated constants header, compiler flags), so the
+loader can tell a stale or foreign library from this one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqexport.errors import TQExportError
+from tqexport.native import header
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE_DIR = ROOT / "plugins"
+BUILD_DIR = ROOT / "build" / "plugins"
+LIBRARY_NAME = "libtqexport_ort.so"
+#: the C API version the sources are written against (a newer runtime serves it too)
+ORT_API_VERSION = 21
+
+COMMON_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra",
+                "-Wno-unused-parameter", "-ffp-contract=off"]  # fmt: skip
+#: the attention loop may reorder its sums (so they vectorize); encoding keeps IEEE order
+ATTENTION_FLAGS = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+                  "-fno-omit-frame-pointer", "-DTQX_NO_CLONES", "-O1", "-g"]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Built:
+    library: Path
+    source_hash: str
+
+
+def _header_dirs() -> list[Path]:
+    """Candidate include dirs holding ``onnxruntime_cxx_api.h``, in the documented order."""
+    dirs: list[Path] = []
+    env = os.environ.get("ORT_INCLUDE_DIR")
+    if env:
+        base = Path(env)
+        dirs += [base, base / "onnxruntime", base / "include" / "onnxruntime"]
+    if shutil.which("pkg-config"):
+        res = subprocess.run(["pkg-config", "--cflags-only-I", "libonnxruntime"],
+                             capture_output=True, text=True)  # fmt: skip
+        if res.returncode == 0:
+            for flag in res.stdout.split():
+                dirs += [Path(flag[2:]), Path(flag[2:]) / "onnxruntime"]
+    dirs += [Path("/usr/include/onnxruntime"), Path("/usr/local/include/onnxruntime")]
+    return dirs
+
+
+def find_ort_headers() -> Path | None:
+    """The directory holding ONNX Runtime's C/C++ API headers, or None."""
+    for d in _header_dirs():
+        if (d / "onnxruntime_cxx_api.h").is_file():
+            return d
+    return None
+
+
+def header_api_version(include: Path) -> int:
+    text = (include / "onnxruntime_c_api.h").read_text(errors="replace")
+    m = re.search(r"#define ORT_API_VERSION (\d+)", text)
+    return int(m.group(1)) if m else 0
+
+
+def _sources() -> list[Path]:
+    return sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".cc", ".h"))
+
+
+def source_hash(sanitize: bool = False) -> str:
+    """Hash of everything the library is built from (sources, generated header, flags)."""
+    h = hashlib.sha256()
+    for p in _sources():
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    h.update(header.render().encode())
+    h.update(json.dumps([COMMON_FLAGS, ATTENTION_FLAGS, sanitize and SANITIZE_FLAGS]).encode())
+    return h.hexdigest()[:16]
+
+
+def library_path(sanitize: bool = False) -> Path:
+    return BUILD_DIR / ("asan" if sanitize else "release") / LIBRARY_NAME
+
+
+def build(sanitize: bool = False, compiler: str | None = None) -> Built:
+    """Compile the library (skipped when the one on disk was built from these sources)."""
+    if not SOURCE_DIR.is_dir():
+        raise TQExportError(f"native kernel sources not found at {SOURCE_DIR}")
+    include = find_ort_headers()
+    if include is None:
+        raise TQExportError(
+            "ONNX Runtime C/C++ API headers not found: set ORT_INCLUDE_DIR to the folder with "
+            "onnxruntime_cxx_api.h (or install libonnxruntime-dev); the function bodies run"
+        )
+    if header_api_version(include) < ORT_API_VERSION:
+        raise TQExportError(
+            f"the ONNX Runtime headers at {include} are older than API {ORT_API_VERSION}; "
+            "point ORT_INCLUDE_DIR at 1.21 or newer"
+        )
+    digest = source_hash(sanitize)
+    out = library_path(sanitize)
+    info = out.with_name("build_info.json")
+    try:
+        if out.is_file() and json.loads(info.read_text())["source_hash"] == digest:
+            return Built(out, digest)
+    except (OSError, ValueError, KeyError):
+        pass
+    out.parent.mkdir(parents=True, exist_ok=True)
+    gen_dir = out.parent / "generated"
+    gen_dir.mkdir(exist_ok=True)
+    (gen_dir / "tqx_generated.h").write_text(header.render())
+    cxx = compiler or os.environ.get("CXX") or "g++"
+    flags = [*COMMON_FLAGS, *(SANITIZE_FLAGS if sanitize else []), f"-I{include}",
+             f"-I{gen_dir}", f"-I{SOURCE_DIR}", f'-DTQX_SOURCE_HASH="{digest}"']  # fmt: skip
+    objects = []
+    for src in sorted(SOURCE_DIR.glob("*.cc")):
+        obj = out.parent / f"{src.stem}.o"
+        extra = ATTENTION_FLAGS if src.stem == "ops" else []
+        _run([cxx, *flags, *extra, "-c", str(src), "-o", str(obj)])
+        objects.append(str(obj))
+    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    link = [cxx, "-shared", *(["-fsanitize=address,undefined"] if sanitize else [])]
+    _run([*link, *objects, "-o", str(tmp)])
+    os.replace(tmp, out)
+    info.write_text(json.dumps({"source_hash": digest, "ort_api_version": ORT_API_VERSION,
+                                "include": str(include), "compiler": cxx}) + "\n")  # fmt: skip
+    return Built(out, digest)
+
+
+def _run(cmd: list[str]) -> None:
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise TQExportError(f"native kernel build failed: {' '.join(cmd[:2])} ...\n{res.stderr}")
