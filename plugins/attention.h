@@ -1,8 +1,13 @@
-// Paged attention over one layer's cache, read slot by slot with an online softmax.
+// Paged attention over one layer's cache: the step, its work items, and the merge of splits.
+// Work items are (sequence, kv head, block of queries, split of the keys); each is run by the
+// kernel compiled for this CPU (attention_kernel.cc, built once per instruction set).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
-#include <string>
+#include <limits>
+#include <vector>
 
 #include "formats.h"
 
@@ -30,10 +35,125 @@ struct AttentionStep {
   float* out;      // [T, H, D] fp32
 };
 
-// Runs the step with `parallel_for(total, fn)` spreading work items over threads.
+struct Item {
+  int64_t seq, head, q0, q1, k0, k1, part;  // part: index of its partial result, -1 = none
+};
+
+// Runs one item: writes its rows to `out` (part < 0) or their softmax state (m, l, acc, accr
+// per row) to `partial`.
+using RunItem = void (*)(const AttentionStep&, const Item&, float* partial);
+
+namespace avx512 { void run_item(const AttentionStep&, const Item&, float*); }
+namespace avx2 { void run_item(const AttentionStep&, const Item&, float*); }
+namespace base { void run_item(const AttentionStep&, const Item&, float*); }
+
+// The widest kernel this CPU runs (checked at run time: the library may meet any x86-64).
+inline RunItem best_kernel() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return avx512::run_item;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2::run_item;
+  return base::run_item;
+}
+
+namespace attn {
+constexpr int64_t kQueryBlock = 16;
+constexpr int64_t kSplitKeys = 512;  // keys per split in decode steps (one query per sequence)
+constexpr int kMaxSplits = 16;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// finish a row: out = (acc + accr @ H) / l, or zeros when the query saw nothing
+inline void finish_row(const AttentionStep& s, int64_t t, int64_t head, float l, float* acc,
+                       float* accr) {
+  const int d = s.head_size;
+  float* o = s.out + (t * s.num_heads + head) * d;
+  if (!(l > 0.0f)) {
+    std::fill_n(o, d, 0.0f);
+    return;
+  }
+  if (accr) {
+    hadamard(accr, d);
+    for (int i = 0; i < d; ++i) acc[i] += accr[i];
+  }
+  for (int i = 0; i < d; ++i) o[i] = acc[i] / l;
+}
+}  // namespace attn
+
+// Runs the step: `parallel_for(total, fn)` spreads the items over the kernel's threads.
 template <typename ParallelFor>
-void paged_attention(const AttentionStep& s, ParallelFor&& parallel_for);
+void paged_attention(const AttentionStep& s, RunItem run_item, ParallelFor&& parallel_for) {
+  using namespace attn;
+  const int d = s.head_size, groups = s.num_heads / s.kv_heads;
+  const bool rot_v = s.format->value_rotated();
+  std::fill_n(s.out, s.num_tokens * s.num_heads * d, 0.0f);
+  int64_t longest = 0;
+  for (int64_t q = 0; q < s.num_seqs; ++q)
+    longest = std::max(longest, s.query_start[q + 1] - s.query_start[q]);
+  std::vector<Item> items;
+  int64_t parts = 0;
+  for (int64_t q = 0; q < s.num_seqs; ++q) {
+    const int64_t q0 = s.query_start[q], q1 = s.query_start[q + 1];
+    if (q1 <= q0) continue;
+    const int64_t last = *std::max_element(s.positions + q0, s.positions + q1);
+    const int64_t keys = std::max<int64_t>(0, std::min(s.seq_lens[q], last + 1));
+    int splits = 1;
+    if (longest == 1 && keys > kSplitKeys)
+      splits = static_cast<int>(std::min<int64_t>(kMaxSplits, (keys + kSplitKeys - 1) / kSplitKeys));
+    const int64_t per = (keys + splits - 1) / splits;
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      for (int64_t b = q0; b < q1; b += kQueryBlock) {
+        const int64_t b1 = std::min(q1, b + kQueryBlock);
+        if (splits == 1) {
+          items.push_back({q, h, b, b1, 0, std::numeric_limits<int64_t>::max(), -1});
+          continue;
+        }
+        for (int k = 0; k < splits; ++k)
+          items.push_back({q, h, b, b1, k * per, std::min(keys, (k + 1) * per), parts++});
+      }
+    }
+  }
+  const size_t row_floats = 2 + size_t(d) * 2;  // m, l, acc [d], accr [d]
+  std::vector<float> partial(size_t(parts) * groups * row_floats);
+  parallel_for(items.size(), [&](size_t i) {
+    const Item& it = items[i];
+    run_item(s, it, it.part < 0 ? nullptr : &partial[size_t(it.part) * groups * row_floats]);
+  });
+  if (!parts) return;
+  // merge the splits of each (sequence, kv head): they are consecutive items
+  std::vector<float> acc(d), accr(d);
+  for (size_t i = 0; i < items.size();) {
+    size_t j = i;
+    while (j < items.size() && items[j].part >= 0 && items[j].seq == items[i].seq &&
+           items[j].head == items[i].head)
+      ++j;
+    if (j == i) {
+      ++i;
+      continue;
+    }
+    const Item& it = items[i];
+    for (int r = 0; r < groups; ++r) {
+      float m = kNegInf;
+      for (size_t k = i; k < j; ++k)
+        m = std::max(m, partial[(size_t(items[k].part) * groups + r) * row_floats]);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(accr.begin(), accr.end(), 0.0f);
+      float l = 0.0f;
+      if (m != kNegInf) {
+        for (size_t k = i; k < j; ++k) {
+          const float* p = &partial[(size_t(items[k].part) * groups + r) * row_floats];
+          if (p[0] == kNegInf) continue;
+          const float c = std::exp(p[0] - m);
+          l += p[1] * c;
+          for (int e = 0; e < d; ++e) acc[e] += c * p[2 + e];
+          if (rot_v)
+            for (int e = 0; e < d; ++e) accr[e] += c * p[2 + d + e];
+        }
+      }
+      finish_row(s, it.q0, it.head * groups + r, l, acc.data(), rot_v ? accr.data() : nullptr);
+    }
+    i = j;
+  }
+}
 
 }  // namespace tqx
-
-#include "attention_impl.h"

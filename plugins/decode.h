@@ -57,9 +57,12 @@ using detail::get_half;
 using detail::nvfp4_decode;
 using detail::unpack_lookup;
 
+// Decoders are templates on the mode: a kernel instantiates one per format, so the per-slot
+// code has no dispatch.
+template <Mode M>
 inline float decode_key(const Format& f, const CacheView& c, int64_t th, float* out) {
   const int d = f.head_size;
-  switch (f.mode) {
+  switch (M) {
     case Mode::NONE:
       if (f.storage == Elem::F32) {
         std::memcpy(out, c.data[0] + th * d * 4, d * 4);
@@ -115,9 +118,10 @@ inline float decode_key(const Format& f, const CacheView& c, int64_t th, float* 
   return 1.0f;
 }
 
+template <Mode M>
 inline void decode_value(const Format& f, const CacheView& c, int64_t th, float* out) {
   const int d = f.head_size;
-  switch (f.mode) {
+  switch (M) {
     case Mode::NONE:
       if (f.storage == Elem::F32) {
         std::memcpy(out, c.data[1] + th * d * 4, d * 4);

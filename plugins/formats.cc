@@ -1,6 +1,5 @@
 // Encode and decode of every cache format, byte for byte as tqexport.kvquant.codecs.
 #include "formats.h"
-#include "decode.h"
 
 #include <algorithm>
 #include <cmath>

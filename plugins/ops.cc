@@ -399,7 +399,8 @@ struct PagedAttentionKernel {
     s.positions = static_cast<const int64_t*>(positions.data);
     s.num_seqs = seqs;
     s.num_tokens = tokens;
-    paged_attention(s, [&](size_t total, const std::function<void(size_t)>& fn) {
+    static const RunItem kernel = best_kernel();
+    paged_attention(s, kernel, [&](size_t total, const std::function<void(size_t)>& fn) {
       parallel(ctx, total, fn);
     });
     if (a.model != Elem::F32)

@@ -27,12 +27,14 @@ from tqexport.options import (
     BoundaryOption,
     EngineOptions,
     KeyTransformOption,
+    KernelsOption,
     KvDtypeOption,
     MemoryOptions,
     RecentWindowOption,
     SinkTokensOption,
     SkipOption,
 )
+from tqexport.native import KERNEL_CHOICES
 from tqexport.runtime.config import EngineConfig
 from tqexport.validate import DEFAULT_BLOCK_SIZE, printable
 
@@ -307,6 +309,7 @@ def parity(
     prompt_len: Annotated[int, typer.Option(help="Longest prompt; others are shorter.")] = 24,
     batch: Annotated[int, typer.Option(help="Number of sequences.")] = 3,
     seed: Annotated[int, typer.Option(help="Seed for the random prompts.")] = 0,
+    kernels: KernelsOption = _ENGINE.kernels,
 ):
     """Run the artifact on ONNX Runtime and the torch reference side by side; exit 1 on mismatch."""
     from tqexport.contract.artifact import open_artifact
@@ -317,6 +320,7 @@ def parity(
     validate.integer(prompt_len, "--prompt-len", 1, MAX_PARITY_PROMPT_LEN)
     validate.integer(batch, "--batch", 1, MAX_PARITY_BATCH)
     validate.seed(seed)
+    validate.choice(kernels, "--kernels", KERNEL_CHOICES)
     art = open_artifact(artifact)
     limit = position_limit(art)
     if limit is not None and prompt_len + steps > limit:
@@ -324,7 +328,8 @@ def parity(
             f"--prompt-len {prompt_len} + --steps {steps} is more than the model's position "
             f"limit of {limit} tokens; lower them"
         )
-    report = run_parity(art, steps, prompt_len, batch, seed)
+    report = run_parity(art, steps, prompt_len, batch, seed, kernels=kernels)
+    console.print(f"ONNX Runtime runs the layers on {report.kernels}")
     judged = "judged" if report.logits_judged else "not judged: quantized layers, see per-layer"
     t = Table(title=f"end-to-end logits, ONNX Runtime vs torch reference ({judged})")
     for col in ("step", "max abs err", "detail", "within 1e-4"):
@@ -368,6 +373,7 @@ def inspect(
 ):
     """Per-layer cache allocation of an artifact, and totals vs an all-bf16 cache."""
     from tqexport.contract.artifact import open_artifact
+    from tqexport.native.library import choose as choose_kernels
     from tqexport.runtime.memory import allocation
     from tqexport.spec import recent_label
 
@@ -379,6 +385,10 @@ def inspect(
     spec = art.spec
     plan = allocation(spec, config.group_blocks(art))
     rows, groups, summary = plan["layers"], plan["groups"], plan["summary"]
+    kernels = choose_kernels(spec)  # what ONNX Runtime's CPU provider runs each layer on
+    plan["kernels"] = {"ort_cpu": kernels.kernels, "why": kernels.reason}
+    for r in rows:
+        r["kernels"] = kernels.kernels
     blocks, total, bf16 = summary["num_blocks"], summary["total_bytes"], summary["bf16_total_bytes"]
     tokens = summary["usable_tokens_per_group"]
     if as_json:
@@ -400,6 +410,7 @@ def inspect(
         "bytes/token",
         "recent window",
         "key transform",
+        "kernels",
         "blocks",
         "bytes",
     ):
@@ -409,7 +420,7 @@ def inspect(
         t.add_row(
             str(r["index"]), r["attention_type"], str(r["window"] or "-"), r["kv_cache_dtype"],
             r["quant_mode"], str(r["group"]), str(r["bytes_per_token"]), recent,
-            r["key_transform"] or "-", str(r["blocks"]), fmt_bytes(r["bytes"]),
+            r["key_transform"] or "-", r["kernels"], str(r["blocks"]), fmt_bytes(r["bytes"]),
         )  # fmt: skip
     console.print(t)
     for g in groups:
@@ -423,6 +434,7 @@ def inspect(
         f"total {fmt_bytes(total)} for {tokens} tokens; an all-bf16 cache of the same blocks: "
         f"{fmt_bytes(bf16)} ({bf16 / total:.2f}x)",
     )
+    console.print(printable(f"ONNX Runtime (CPU) runs the layers on {kernels.reason}"))
 
 
 @app.command()
@@ -446,6 +458,7 @@ def run(
     max_num_seqs: EngineOptions[2] = _ENGINE.max_num_seqs,
     threads: EngineOptions[3] = _ENGINE.threads,
     chat_template: EngineOptions[4] = _ENGINE.chat_template,
+    kernels: KernelsOption = _ENGINE.kernels,
     as_json: Annotated[bool, typer.Option("--json", help="Print results as JSON.")] = False,
 ):
     """Generate from an artifact: per-layer paged caches allocated from its spec.
@@ -466,7 +479,7 @@ def run(
     )
     config = EngineConfig(
         backend, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads,
-        chat_template,
+        chat_template, kernels,
     )  # fmt: skip
     texts = [prompt] if prompt is not None else validate.prompts_file(prompts_file)
     engine = Engine.from_artifact(artifact, config)
@@ -528,6 +541,7 @@ def serve(
     max_num_seqs: EngineOptions[2] = _ENGINE.max_num_seqs,
     threads: EngineOptions[3] = _ENGINE.threads,
     chat_template: EngineOptions[4] = _ENGINE.chat_template,
+    kernels: KernelsOption = _ENGINE.kernels,
     grace_seconds: Annotated[
         float, typer.Option(help="After SIGTERM, seconds in-flight requests may take to finish.")
     ] = 30.0,
@@ -559,7 +573,7 @@ def serve(
         raise TQExportError("--replicas and --ray-address need --ray")
     config = EngineConfig(
         backend, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads,
-        chat_template,
+        chat_template, kernels,
     )  # fmt: skip
     if ray:
         from tqexport.contract.artifact import open_artifact

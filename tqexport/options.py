@@ -45,6 +45,14 @@ KeyTransformOption = Annotated[
     ),
 ]
 
+KernelsOption = Annotated[
+    str,
+    typer.Option(
+        help="What runs the cache and attention ops on ONNX Runtime's CPU: auto (the native "
+        "kernels where they serve every layer, else the function bodies), native, bodies.",
+    ),
+]
+
 MemoryOptions = (
     Annotated[int | None, typer.Option(help="Cache blocks per layer (block 0 is the null block).")],
     Annotated[

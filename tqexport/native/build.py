@@ -29,10 +29,15 @@ ORT_API_VERSION = 21
 
 COMMON_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra",
                 "-Wno-unused-parameter", "-ffp-contract=off"]  # fmt: skip
-#: the attention loop may reorder its sums (so they vectorize); encoding keeps IEEE order
-ATTENTION_FLAGS = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+#: the attention kernel may reorder and fuse its sums (so they vectorize); encoding keeps IEEE
+#: order. It is compiled once per instruction set; the library picks one at run time.
+ATTENTION_SOURCE = "attention_kernel"
+ATTENTION_FLAGS = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+                   "-ffp-contract=fast"]  # fmt: skip
+ISA_FLAGS = {"avx512": ["-march=skylake-avx512", "-mprefer-vector-width=512"],
+             "avx2": ["-march=haswell"], "base": []}  # fmt: skip
 SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
-                  "-fno-omit-frame-pointer", "-DTQX_NO_CLONES", "-O1", "-g"]  # fmt: skip
+                  "-fno-omit-frame-pointer", "-O1", "-g"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,8 @@ def source_hash(sanitize: bool = False) -> str:
     for p in _sources():
         h.update(p.name.encode() + b"\0" + p.read_bytes())
     h.update(header.render().encode())
-    h.update(json.dumps([COMMON_FLAGS, ATTENTION_FLAGS, sanitize and SANITIZE_FLAGS]).encode())
+    flags = [COMMON_FLAGS, ATTENTION_FLAGS, ISA_FLAGS, sanitize and SANITIZE_FLAGS]
+    h.update(json.dumps(flags).encode())
     return h.hexdigest()[:16]
 
 
@@ -120,10 +126,14 @@ def build(sanitize: bool = False, compiler: str | None = None) -> Built:
     cxx = compiler or os.environ.get("CXX") or "g++"
     flags = [*COMMON_FLAGS, *(SANITIZE_FLAGS if sanitize else []), f"-I{include}",
              f"-I{gen_dir}", f"-I{SOURCE_DIR}", f'-DTQX_SOURCE_HASH="{digest}"']  # fmt: skip
+    units = [(src, f"{src.stem}.o", []) for src in sorted(SOURCE_DIR.glob("*.cc"))
+             if src.stem != ATTENTION_SOURCE]  # fmt: skip
+    kernel = SOURCE_DIR / f"{ATTENTION_SOURCE}.cc"
+    units += [(kernel, f"{ATTENTION_SOURCE}_{isa}.o", [*ATTENTION_FLAGS, *march, f"-DTQX_ISA={isa}"])
+              for isa, march in ISA_FLAGS.items()]  # fmt: skip
     objects = []
-    for src in sorted(SOURCE_DIR.glob("*.cc")):
-        obj = out.parent / f"{src.stem}.o"
-        extra = ATTENTION_FLAGS if src.stem == "ops" else []
+    for src, name, extra in units:
+        obj = out.parent / name
         _run([cxx, *flags, *extra, "-c", str(src), "-o", str(obj)])
         objects.append(str(obj))
     tmp = out.with_name(f".{out.name}.{os.getpid()}")

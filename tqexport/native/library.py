@@ -14,13 +14,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from tqexport import validate
 from tqexport.errors import TQExportError
+from tqexport.native import KERNEL_CHOICES
 from tqexport.native import build as native_build
 from tqexport.native.header import supported
-
-#: ``--kernels``: native where the library serves the artifact (else bodies, said), native
-#: only (an error when it cannot), or the function bodies
-KERNEL_CHOICES = ("auto", "native", "bodies")
 
 
 @dataclass(frozen=True)
@@ -70,8 +68,7 @@ def unsupported_layers(spec) -> list[str]:
 
 def choose(spec, kernels: str = "auto", sanitize: bool = False) -> KernelChoice:
     """The kernels that serve ``spec`` on ONNX Runtime's CPU provider."""
-    if kernels not in KERNEL_CHOICES:
-        raise TQExportError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {kernels!r}")
+    validate.choice(kernels, "--kernels", KERNEL_CHOICES)
     if kernels == "bodies":
         return KernelChoice("bodies", None, "function bodies (--kernels bodies)")
     missing = unsupported_layers(spec)

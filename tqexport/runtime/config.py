@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from tqexport import validate
 from tqexport.errors import TQExportError
+from tqexport.native import KERNEL_CHOICES
 
 #: the KV budget when neither ``num_blocks`` nor ``kv_cache_memory`` is given
 DEFAULT_KV_CACHE_MEMORY = "512MiB"
@@ -28,6 +29,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     threads: int | None = None
     chat_template: bool = True
+    #: what runs the attention/cache ops on ONNX Runtime's CPU provider (auto: the native
+    #: kernels where they serve the artifact, else the function bodies)
+    kernels: str = "auto"
 
     def __post_init__(self):
         validate.serving(
@@ -41,6 +45,12 @@ class EngineConfig:
             parse_memory(self.kv_cache_memory)
         if self.threads is not None:
             validate.integer(self.threads, "--threads", 1)
+        validate.choice(self.kernels, "--kernels", KERNEL_CHOICES)
+        if self.kernels != "auto" and self.backend != "ort":
+            raise TQExportError(
+                f"--kernels {self.kernels} chooses ONNX Runtime's kernels; --backend "
+                f"{self.backend} does not run them (drop one of the two)"
+            )
         if not isinstance(self.chat_template, bool):
             raise TQExportError(f"chat_template must be True or False, got {self.chat_template!r}")
 

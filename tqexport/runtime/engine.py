@@ -163,6 +163,7 @@ class Engine:
             threads=config.threads,
             source_model=source_model,
             max_model_len=self.max_model_len,
+            kernels=config.kernels,
         )
         #: the longest sequence the whole cache holds (None: any)
         self.max_cache_tokens = cache_token_limit(self.executor.blocks)

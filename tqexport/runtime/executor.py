@@ -36,6 +36,7 @@ class Executor:
         threads: int | None = None,
         source_model=None,
         max_model_len: int | None = None,
+        kernels: str = "auto",
     ):
         """``source_model``: the torch backend's already loaded model (skips reloading it).
         ``max_model_len``: the model's position limit; a request whose prompt plus max_tokens
@@ -57,7 +58,7 @@ class Executor:
         if backend == "ort":
             from tqexport.runtime.backends.ort import OrtBackend
 
-            self.backend = OrtBackend(artifact, self.group_num_blocks, threads)
+            self.backend = OrtBackend(artifact, self.group_num_blocks, threads, kernels=kernels)
         elif backend == "torch":
             from tqexport.runtime.backends.torch import TorchBackend
 
@@ -74,6 +75,12 @@ class Executor:
         self.group_block_bytes = [self.spec.group_block_bytes(g) for g in self.spec.groups]
         self.peak_kv_bytes = 0
         self.steps = 0
+
+    @property
+    def kernels(self) -> str:
+        """What runs the layers' cache and attention ops, in words."""
+        choice = getattr(self.backend, "kernel_choice", None)
+        return choice.reason if choice is not None else f"{self.backend.name} backend"
 
     def add_request(self, prompt: list[int], params: SamplingParams) -> Sequence:
         if not isinstance(params, SamplingParams):

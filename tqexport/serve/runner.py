@@ -74,7 +74,10 @@ def serve(
         app = create_app(engine, name, api_key)
         bound = sock.getsockname()[1]
         where = f"[{host}]" if ":" in host else host
-        banner = f"serving {name!r} on http://{where}:{bound}/v1 (SIGTERM or CTRL+C stops it)"
+        banner = (
+            f"serving {name!r} on http://{where}:{bound}/v1 (SIGTERM or CTRL+C stops it); "
+            f"layers run on {engine.executor.kernels}"
+        )
         uconfig = uvicorn.Config(
             app,
             host=host,

@@ -30,6 +30,7 @@ from tqexport.contract.caches import allocate_caches, cache_output_name
 from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
 from tqexport.errors import TQExportError
 from tqexport.models.paged import PagedCausalLM
+from tqexport.native.library import choose as choose_kernels
 from tqexport.ops import reference
 from tqexport.ops.attributes import CACHE_WRITE, DOMAIN, PAGED_ATTENTION, attention_segments
 from tqexport.runtime.backends.ort import providers
@@ -55,6 +56,8 @@ class ParityReport:
     logits: list[Check] = field(default_factory=list)
     layers: list[Check] = field(default_factory=list)
     logits_judged: bool = True
+    #: what ran the tqexport nodes on ORT (native kernels or function bodies), in words
+    kernels: str = ""
 
     @property
     def ok(self) -> bool:
@@ -75,7 +78,8 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> tuple[bool, float]:
 class _TapSession:
     """ORT session over the artifact with every tqexport node's q/k/v and output exposed."""
 
-    def __init__(self, artifact: Artifact, threads: int | None = None):
+    def __init__(self, artifact: Artifact, threads: int | None = None, kernels: str = "auto"):
+        self.kernels = choose_kernels(artifact.spec, kernels)
         model = onnx.load(str(artifact.model_file))
         self.taps: dict[tuple[int, str], str] = {}
         elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(artifact.spec.dtype))
@@ -98,6 +102,8 @@ class _TapSession:
             opts = ort.SessionOptions()
             if threads:
                 opts.intra_op_num_threads = threads
+            if self.kernels.library is not None:
+                opts.register_custom_ops_library(str(self.kernels.library))
             self.session = ort.InferenceSession(str(path), opts, providers=providers())
         self.input_names = [i.name for i in self.session.get_inputs()]
 
@@ -197,16 +203,18 @@ def run_parity(
     batch: int = 3,
     seed: int = 0,
     threads: int | None = None,
+    kernels: str = "auto",
 ) -> ParityReport:
     """Prefill + ``steps`` decode steps; see the module docstring for what is compared.
-    ``threads``: ORT intra-op threads (None = ORT's default), which sets its summation order."""
+    ``threads``: ORT intra-op threads (None = ORT's default), which sets its summation order;
+    ``kernels``: what runs the tqexport nodes on ORT (``--kernels``)."""
     spec = artifact.spec
     if prompt_len < 1 or batch < 1 or steps < 0:
         raise TQExportError("--prompt-len and --batch must be >= 1, --steps >= 0")
     if spec.dtype == "bfloat16":
         raise TQExportError("parity runs on ONNX Runtime's CPU provider, which has no bf16 MatMul")
     lm = load_source_model(spec)
-    tapped = _TapSession(artifact, threads)
+    tapped = _TapSession(artifact, threads, kernels)
     reference_model = PagedCausalLM(lm.model, spec, mode="functional")
     g = torch.Generator().manual_seed(seed)
     vocab = int(spec.model["vocab_size"])
@@ -221,7 +229,7 @@ def run_parity(
     ref_caches = allocate_caches(spec, 1 + sum(per_seq))
     ort_caches = {k: v.clone() for k, v in ref_caches.items()}
     quantized = any(la.mode.is_quantized for la in spec.layers)
-    report = ParityReport(logits_judged=not quantized)
+    report = ParityReport(logits_judged=not quantized, kernels=tapped.kernels.reason)
     chunks = [SeqChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
     positions = list(lengths)
     for i in range(steps + 1):
