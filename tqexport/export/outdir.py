@@ -50,7 +50,7 @@ def check_target(out_dir: Path, force: bool) -> Path:
             raise TQExportError(
                 f"-o {out_dir} is the current directory or contains it; build elsewhere"
             )
-        describe_replaceable(target, out_dir)
+        check_replaceable(target, out_dir)
     ancestor = next((p for p in target.parents if p.exists()), None)
     if ancestor is not None and not ancestor.is_dir():
         raise TQExportError(f"{ancestor} is not a directory, so {out_dir} cannot be created")
@@ -59,9 +59,9 @@ def check_target(out_dir: Path, force: bool) -> Path:
     return target
 
 
-def describe_replaceable(target: Path, shown: Path | str) -> str:
-    """What ``--force`` would replace at the directory ``target`` (named ``shown``), or a
-    one-line error naming what makes it more than an empty directory or exactly an artifact."""
+def check_replaceable(target: Path, shown: Path | str) -> None:
+    """A one-line error unless the directory ``target`` (named ``shown``) is empty or exactly
+    an artifact, naming what makes it more or less than that."""
     try:
         entries = _entries(target)
     except OSError as e:
@@ -70,7 +70,7 @@ def describe_replaceable(target: Path, shown: Path | str) -> str:
             "artifact; remove it yourself or choose another -o"
         ) from None
     if not entries:
-        return f"the empty directory {shown}"
+        return
     files = {rel for rel, st in entries.items() if stat.S_ISREG(st.st_mode)}
     listed = read_manifest(target)
     if listed is None:
@@ -110,7 +110,6 @@ def describe_replaceable(target: Path, shown: Path | str) -> str:
             f"{shown} is not a valid artifact ({e}); --force only replaces one that loads, "
             "so remove it yourself or choose another -o"
         ) from None
-    return f"the artifact that was in {shown} ({len(files)} files)"
 
 
 def _entries(root: Path) -> dict[str, os.stat_result]:
@@ -279,8 +278,11 @@ class Staging:
             target.parent.mkdir(parents=True, exist_ok=True)
             self._lock = _Lock(target)
             remove_stale_staging(target)
-            #: what the target was when checked under the lock (None: absent)
-            self.replaces = _snapshot(target)
+            try:
+                #: what the target was when checked under the lock (None: absent)
+                self.replaces = _snapshot(target)
+            except OSError:
+                self.replaces = None  # unreadable: check_target refuses it
             check_target(target, force)
             path = target.with_name(f".{target.name}.tmp-{os.getpid()}")
             path.mkdir()
