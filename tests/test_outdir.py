@@ -1,6 +1,7 @@
 """Where `build` writes: parents created, --force replaces only artifacts, nothing left behind."""
 
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -43,7 +44,8 @@ def test_force_refuses_a_directory_that_is_not_an_artifact(tmp_path):
     victim.mkdir()
     (victim / "important.txt").write_text("x")
     r = cli("build", "tiny-llama", "-o", str(victim), "--force")
-    assert r.returncode == 2 and "is not a tqexport artifact" in r.stderr, r.stderr
+    assert r.returncode == 2, r.stderr
+    assert f"{victim} is not a tqexport artifact (it holds important.txt)" in r.stderr, r.stderr
     assert (victim / "important.txt").read_text() == "x"
     assert tree(tmp_path) == ["v", "v/important.txt"]
 
@@ -56,15 +58,22 @@ def test_force_refuses_the_current_directory(artifacts, tmp_path):
     assert tree(tmp_path) == before
 
 
-def test_force_replaces_an_artifact_and_an_empty_directory(artifacts, tmp_path):
+def test_force_replaces_an_artifact_and_an_empty_directory_and_says_so(artifacts, tmp_path):
     art = tmp_path / "art"
     shutil.copytree(artifacts("tiny-llama", "auto"), art)
     assert open_artifact(art).spec.layers[0].kv_cache_dtype == "auto"
-    build_artifact("tiny-llama", art, BuildOptions(kv_cache_dtype="fp8", force=True))
+    assert sorted(os.listdir(art)) == [
+        "generation_config.json", "model.onnx", "model.onnx.data", "tqexport.files.json",
+        "tqexport.json",
+    ]  # fmt: skip
+    r = cli("build", "tiny-llama", "-o", str(art), "--kv-cache-dtype", "fp8", "--force")
+    assert r.returncode == 0, r.stderr
+    assert f"replaced the artifact that was in {art} (5 files)\n" in r.stdout, r.stdout
     assert open_artifact(art).spec.layers[0].kv_cache_dtype == "fp8"
     empty = tmp_path / "empty"
     empty.mkdir()
-    build_artifact("tiny-llama", empty, BuildOptions(force=True))
+    result = build_artifact("tiny-llama", empty, BuildOptions(force=True))
+    assert result.replaced == f"the empty directory {empty}"
     assert open_artifact(empty).spec.layers
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
@@ -120,3 +129,187 @@ def test_full_disk_and_failed_export_leave_nothing(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError):
         build_artifact("tiny-llama", tmp_path / "x" / "art", BuildOptions())
     assert tree(tmp_path) == []
+
+
+@pytest.fixture(params=["renameat2", "fallback"])
+def renames(request, monkeypatch):
+    """Swaps with Linux renameat2, and with the fallback for filesystems without it."""
+    if request.param == "fallback":
+        monkeypatch.setattr(outdir, "_renameat2", lambda src, dst, flags: False)
+
+
+def staged(target, force=False):
+    """A Staging holding a tiny fake build."""
+    staging = outdir.Staging(target, force)
+    (staging.path / "model.onnx").write_text("new")
+    return staging
+
+
+@pytest.mark.parametrize("user_files", [(), ("mine.txt",)])
+def test_a_target_created_during_the_build_is_left_untouched(tmp_path, renames, user_files):
+    target = tmp_path / "art"
+    staging = staged(target)
+    target.mkdir()
+    for name in user_files:
+        (target / name).write_text("mine")
+    with pytest.raises(TQExportError) as e:
+        staging.commit()
+    staging.discard()
+    assert str(e.value) == (
+        f"{target} was created by something else during the build; left it as it is and "
+        "discarded this build; remove it or choose another -o"
+    )
+    assert tree(tmp_path) == ["art", *(f"art/{n}" for n in user_files)]
+    assert all((target / n).read_text() == "mine" for n in user_files)
+
+
+def test_a_build_leaves_a_directory_made_at_its_target_just_before_the_swap(tmp_path, monkeypatch):
+    target = tmp_path / "art"
+    commit = outdir.Staging.commit
+
+    def user_makes_the_target_first(self):
+        target.mkdir()
+        (target / "mine.txt").write_text("mine")
+        return commit(self)
+
+    monkeypatch.setattr(outdir.Staging, "commit", user_makes_the_target_first)
+    with pytest.raises(TQExportError) as e:
+        build_artifact("tiny-llama", target, BuildOptions())
+    assert str(e.value).startswith(f"{target} was created by something else during the build")
+    assert tree(tmp_path) == ["art", "art/mine.txt"]
+    assert (target / "mine.txt").read_text() == "mine"
+
+
+def test_two_swaps_into_one_new_target_exactly_one_wins(tmp_path, renames):
+    target = tmp_path / "art"
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.onnx").write_text(name)
+    outdir.rename_noreplace(tmp_path / "a", target)
+    with pytest.raises(FileExistsError):
+        outdir.rename_noreplace(tmp_path / "b", target)
+    assert tree(tmp_path) == ["art", "art/model.onnx", "b", "b/model.onnx"]
+    assert (target / "model.onnx").read_text() == "a"
+
+
+def test_a_second_build_to_a_target_fails_at_once_and_the_first_wins(tmp_path):
+    target = tmp_path / "art"
+    first = outdir.Staging(target)
+    (first.path / "model.onnx").write_text("first")
+    with pytest.raises(TQExportError) as e:
+        outdir.Staging(target)
+    assert str(e.value) == (
+        f"another tqexport build (pid {os.getpid()}) is writing {target}; wait for it to "
+        "finish or choose another -o"
+    )
+    first.commit()
+    assert tree(tmp_path) == ["art", "art/model.onnx"]
+    assert (target / "model.onnx").read_text() == "first"
+
+
+def test_two_concurrent_cli_builds_to_one_new_target_one_wins(tmp_path):
+    out = tmp_path / "art"
+    args = [sys.executable, "-m", "tqexport", "build", "tiny-llama", "-o", str(out)]
+    procs = [
+        subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    runs = [(p, *p.communicate(timeout=600)) for p in procs]
+    assert sorted(p.returncode for p, _, _ in runs) == [0, 2], [err for _, _, err in runs]
+    (loser_err,) = [err for p, _, err in runs if p.returncode == 2]
+    last = [ln for ln in loser_err.splitlines() if ln.strip()][-1]
+    busy = rf"another tqexport build \(pid \d+\) is writing {out}; wait for it to finish or"
+    late = rf"{out} already exists; pass --force to replace it"
+    assert re.fullmatch(rf"error: ({busy} choose another -o|{late})", last), loser_err
+    assert "Traceback" not in loser_err
+    assert open_artifact(out).spec.layers
+    assert os.listdir(tmp_path) == ["art"]
+
+
+def _edit_extra(art):
+    (art / "notes.txt").write_text("mine")
+
+
+def _edit_subdir(art):
+    (art / "mine").mkdir()
+    (art / "mine" / "a.txt").write_text("mine")
+
+
+def _edit_no_weights(art):
+    (art / "model.onnx.data").unlink()
+
+
+def _edit_bad_spec(art):
+    (art / "tqexport.json").write_text("{}")
+
+
+def _edit_no_manifest(art):
+    (art / "tqexport.files.json").unlink()
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (
+            _edit_extra,
+            "{art} holds files no tqexport build wrote there: notes.txt; --force only replaces "
+            "a whole artifact, so move them out or choose another -o",
+        ),
+        (
+            _edit_subdir,
+            "{art} holds files no tqexport build wrote there: mine, mine/a.txt; --force only "
+            "replaces a whole artifact, so move them out or choose another -o",
+        ),
+        (
+            _edit_no_weights,
+            "{art} is an incomplete artifact (missing model.onnx.data); --force only replaces a "
+            "whole artifact, so remove it yourself or choose another -o",
+        ),
+        (_edit_bad_spec, "{art} is not a valid artifact ({art}/tqexport.json: "),
+        (
+            _edit_no_manifest,
+            "{art} has no readable tqexport.files.json listing the files its build wrote (an "
+            "artifact of an older tqexport?), so --force cannot tell them from yours; remove it "
+            "yourself or choose another -o",
+        ),
+    ],
+)
+def test_force_refuses_anything_but_exactly_an_artifact_and_deletes_nothing(
+    artifacts, tmp_path, monkeypatch, edit, message
+):
+    art = tmp_path / "art"
+    shutil.copytree(artifacts("tiny-llama", "auto"), art)
+    edit(art)
+    before = {p: p.read_bytes() for p in art.rglob("*") if p.is_file()}
+    monkeypatch.setattr(artifact_module, "load_model", pytest.fail)
+    with pytest.raises(TQExportError) as e:
+        build_artifact("tiny-llama", art, BuildOptions(force=True))
+    assert str(e.value).startswith(message.format(art=art)), str(e.value)
+    assert "\n" not in str(e.value)
+    assert {p: p.read_bytes() for p in art.rglob("*") if p.is_file()} == before
+    assert os.listdir(tmp_path) == ["art"]
+
+
+def test_force_puts_back_an_artifact_that_changed_during_the_build(artifacts, tmp_path, renames):
+    art = tmp_path / "art"
+    shutil.copytree(artifacts("tiny-llama", "auto"), art)
+    staging = staged(art, force=True)
+    (art / "notes.txt").write_text("mine")
+    before = {p: p.read_bytes() for p in art.rglob("*") if p.is_file()}
+    with pytest.raises(TQExportError) as e:
+        staging.commit()
+    staging.discard()
+    assert str(e.value) == (
+        f"{art} changed during the build (files added, removed or rewritten since the check); "
+        "left it as it is and discarded this build; build again"
+    )
+    assert {p: p.read_bytes() for p in art.rglob("*") if p.is_file()} == before
+    assert os.listdir(tmp_path) == ["art"]
+
+
+def test_force_swap_of_an_unchanged_artifact_removes_only_it(artifacts, tmp_path, renames):
+    art = tmp_path / "art"
+    shutil.copytree(artifacts("tiny-llama", "auto"), art)
+    assert staged(art, force=True).commit() == f"the artifact that was in {art} (5 files)"
+    assert tree(tmp_path) == ["art", "art/model.onnx"]
+    assert (art / "model.onnx").read_text() == "new"

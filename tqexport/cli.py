@@ -265,6 +265,8 @@ def build(
     result = run_in_stages(labels, lambda stage: build_artifact(model, out, options, stage))
     for w in result.warnings:
         _warn(w)
+    if result.replaced:
+        console.print(printable(f"replaced {result.replaced}"), soft_wrap=True)
     spec = result.spec
     if spec.dtype == "bfloat16":
         err.print(

@@ -3,8 +3,9 @@
 Layout of an artifact:
 ``model.onnx`` + ``model.onnx.data`` (weights), ``tqexport.json`` (the spec, also embedded in the
 graph's metadata), tokenizer files, chat template and ``generation_config.json`` when the model
-has them. Everything is written into a staging sibling that is swapped in at the end, so a failed
-build leaves nothing behind (see :mod:`tqexport.export.outdir` for what ``--force`` may replace).
+has them, and ``tqexport.files.json`` (the list of these files). Everything is written into a
+staging sibling that is swapped in at the end, so a failed build leaves nothing behind (see
+:mod:`tqexport.export.outdir` for what ``--force`` may replace).
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from pathlib import Path
 import onnx
 import torch
 
-from tqexport.contract.files import MODEL_FILE, SPEC_FILE, WEIGHTS_FILE
+from tqexport.contract.files import MODEL_FILE, SPEC_FILE, WEIGHTS_FILE, write_manifest
 from tqexport.errors import TQExportError
 from tqexport.export.onnx import DEFAULT_OPSET, export_model
-from tqexport.export.outdir import Staging, check_target, remove_stale_staging
+from tqexport.export.outdir import Staging, check_target
 from tqexport.kvquant import transforms
 from tqexport.models.config import describe_model
 from tqexport.models.loader import LoadedModel, load_model
@@ -54,6 +55,8 @@ class BuildResult:
     out_dir: Path
     spec: ModelSpec
     warnings: list[str] = field(default_factory=list)
+    #: what ``--force`` replaced ("the artifact that was in DIR (N files)"), None if nothing
+    replaced: str | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -259,8 +262,7 @@ def build_artifact(
     """Load, resolve, export and save; raises TQExportError on bad input before heavy work."""
     target = check_target(Path(out_dir), options.force)
     check_options(model, options)
-    remove_stale_staging(target)
-    staging = Staging(target)  # proves the location writable before any heavy work
+    staging = Staging(target, options.force)  # locks, proves the location writable
     try:
         progress("load")
         lm = load_model(model, options.dtype)
@@ -271,14 +273,14 @@ def build_artifact(
         progress("save")
         try:
             _save(graph, spec, lm, staging.path)
-            staging.commit()
+            replaced = staging.commit()
         except OSError as e:
             why = e.strerror or str(e)
             raise TQExportError(f"cannot write the artifact to {out_dir}: {why}") from None
     except BaseException:
         staging.discard()
         raise
-    return BuildResult(target, spec, warnings)
+    return BuildResult(target, spec, warnings, replaced)
 
 
 def _save(graph: onnx.ModelProto, spec: ModelSpec, lm: LoadedModel, tmp: Path) -> None:
@@ -292,6 +294,7 @@ def _save(graph: onnx.ModelProto, spec: ModelSpec, lm: LoadedModel, tmp: Path) -
     onnx.checker.check_model(str(tmp / MODEL_FILE), full_check=True)
     (tmp / SPEC_FILE).write_text(spec.to_json() + "\n")
     _save_tokenizer(lm, tmp)
+    write_manifest(tmp)
 
 
 def _weight_bytes(lm: LoadedModel) -> int:

@@ -1,38 +1,38 @@
 """Where a build writes: refuse what it must not replace, stage in a sibling, swap atomically.
 
-``--force`` replaces only a directory that is a tqexport artifact (flat, with a
-``tqexport.json`` that names a tqexport version) or an empty one; anything else is refused, so a
-mistyped ``-o`` never deletes a user's files. The build is staged in ``.NAME.tmp-PID`` beside the
-target, whose creation proves the location is writable before any export work; the old artifact
-is swapped out (``.NAME.old-PID``) and removed only after the new one is in place. Staging
+``--force`` replaces only an empty directory or exactly an artifact: the files its manifest lists
+(plus those ``tqexport engine`` adds), each present, nothing else, and a spec that loads and
+validates; anything else is refused, so a mistyped ``-o`` never deletes a user's files. A build
+holds an exclusive lock, ``.NAME.lock`` beside the target, from its check to its swap, so a second
+build to the same target fails at once. It is staged in ``.NAME.tmp-PID`` beside the target,
+whose creation proves the location is writable before any export work. The swap never replaces
+what the check did not see: a new target is moved in with an atomic no-replace rename, and an
+old artifact is exchanged with the staged one and put back unless it is the same directory with
+the same files as at the check; it is removed only after the new one is in place. Staging
 directories of builds whose process is gone (kill -9, power loss) are removed by the next build.
 """
 
 from __future__ import annotations
 
-import json
+import ctypes
+import errno
+import fcntl
+import functools
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
+from tqexport.contract.artifact import open_artifact
+from tqexport.contract.files import ADDED_FILES, MANIFEST_FILE, SPEC_FILE, read_manifest
 from tqexport.errors import TQExportError
 
 _STAGING = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)$")
-
-
-def is_artifact_dir(path: Path) -> bool:
-    """A flat directory whose tqexport.json is a JSON object written by tqexport."""
-    from tqexport.contract.files import SPEC_FILE
-
-    spec = path / SPEC_FILE
-    if not spec.is_file() or any(p.is_dir() for p in path.iterdir()):
-        return False
-    try:
-        data = json.loads(spec.read_bytes()[: 64 << 20])
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and "tqexport_version" in data and "schema_version" in data
+#: renameat2 flags (linux/fs.h) and the "relative to the working directory" descriptor
+_RENAME_NOREPLACE, _RENAME_EXCHANGE, _AT_FDCWD = 1, 2, -100
+#: errors that mean "this kernel, libc or filesystem has no such rename"
+_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
 def check_target(out_dir: Path, force: bool) -> Path:
@@ -50,18 +50,148 @@ def check_target(out_dir: Path, force: bool) -> Path:
             raise TQExportError(
                 f"-o {out_dir} is the current directory or contains it; build elsewhere"
             )
-        if any(target.iterdir()) and not is_artifact_dir(target):
-            raise TQExportError(
-                f"{out_dir} is not a tqexport artifact (no tqexport.json, or it holds "
-                "subdirectories); --force only replaces artifacts or empty directories, "
-                "so choose another -o or remove it yourself"
-            )
+        check_replaceable(target, out_dir)
     ancestor = next((p for p in target.parents if p.exists()), None)
     if ancestor is not None and not ancestor.is_dir():
         raise TQExportError(f"{ancestor} is not a directory, so {out_dir} cannot be created")
     if ancestor is not None and not os.access(ancestor, os.W_OK | os.X_OK):
         raise TQExportError(f"{ancestor} is not writable; choose another -o")
     return target
+
+
+def check_replaceable(target: Path, shown: Path | str) -> None:
+    """A one-line error unless the directory ``target`` (named ``shown``) is empty or exactly
+    an artifact, naming what makes it more or less than that."""
+    try:
+        entries = _entries(target)
+    except OSError as e:
+        raise TQExportError(
+            f"{shown} cannot be read ({e.strerror}), so --force cannot check it holds only an "
+            "artifact; remove it yourself or choose another -o"
+        ) from None
+    if not entries:
+        return
+    files = {rel for rel, st in entries.items() if stat.S_ISREG(st.st_mode)}
+    listed = read_manifest(target)
+    if listed is None:
+        if SPEC_FILE in files:
+            raise TQExportError(
+                f"{shown} has no readable {MANIFEST_FILE} listing the files its build wrote "
+                "(an artifact of an older tqexport?), so --force cannot tell them from yours; "
+                "remove it yourself or choose another -o"
+            )
+        raise TQExportError(
+            f"{shown} is not a tqexport artifact (it holds {_names(entries)}); --force only "
+            "replaces an artifact or an empty directory, so choose another -o"
+        )
+    folders = {str(Path(rel).parent) for rel in listed} - {"."}
+    folders |= {str(p) for f in folders for p in Path(f).parents} - {"."}
+    extra = [
+        rel
+        for rel, st in entries.items()
+        if not (rel in files and rel in listed | ADDED_FILES)
+        and not (stat.S_ISDIR(st.st_mode) and rel in folders)
+    ]
+    if extra:
+        raise TQExportError(
+            f"{shown} holds files no tqexport build wrote there: {_names(extra)}; --force only "
+            "replaces a whole artifact, so move them out or choose another -o"
+        )
+    missing = listed - files
+    if missing:
+        raise TQExportError(
+            f"{shown} is an incomplete artifact (missing {_names(missing)}); --force only "
+            "replaces a whole artifact, so remove it yourself or choose another -o"
+        )
+    try:
+        open_artifact(target)
+    except TQExportError as e:
+        raise TQExportError(
+            f"{shown} is not a valid artifact ({e}); --force only replaces one that loads, "
+            "so remove it yourself or choose another -o"
+        ) from None
+
+
+def _entries(root: Path) -> dict[str, os.stat_result]:
+    """Every entry under ``root`` (links not followed) by relative POSIX path."""
+
+    def fail(e: OSError):
+        raise e
+
+    out = {}
+    for here, dirs, names in os.walk(root, onerror=fail):
+        for name in dirs + names:
+            p = Path(here, name)
+            out[p.relative_to(root).as_posix()] = p.lstat()
+    return out
+
+
+def _names(paths) -> str:
+    paths = sorted(paths)
+    more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+    return ", ".join(paths[:3]) + more
+
+
+def _snapshot(path: Path) -> tuple | None:
+    """The directory's identity and every entry's type, size and mtime; None if absent."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return None
+    entries = _entries(path)
+    files = {rel: (s.st_mode, s.st_size, s.st_mtime_ns) for rel, s in entries.items()}
+    return st.st_dev, st.st_ino, files
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+@functools.cache
+def _libc_renameat2():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not Linux, or a libc without it
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """Linux ``renameat2``; False where the libc, kernel or filesystem lacks it or the flag."""
+    fn = _libc_renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _UNSUPPORTED:
+        return False
+    raise OSError(code, os.strerror(code), str(src), None, str(dst))
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Move the directory ``src`` to ``dst`` atomically; FileExistsError if ``dst`` exists.
+    Without renameat2 the name is claimed with mkdir and ``src`` renamed onto that empty
+    directory, which fails if anything was put into it meanwhile."""
+    if _renameat2(src, dst, _RENAME_NOREPLACE):
+        return
+    os.mkdir(dst)
+    try:
+        os.rename(src, dst)
+    except OSError as e:
+        try:
+            os.rmdir(dst)  # ours, unless something was written into it: then it stays
+        except OSError:
+            pass
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst)) from None
+        raise
 
 
 def remove_stale_staging(target: Path) -> list[Path]:
@@ -89,22 +219,80 @@ def _alive(pid: int) -> bool:
     return True
 
 
+class _Lock:
+    """An exclusive flock on ``.NAME.lock`` beside the target, held until ``release``, which
+    removes the file; a second holder fails at once with a one-line error."""
+
+    def __init__(self, target: Path):
+        self.path = target.with_name(f".{target.name}.lock")
+        self.fd: int | None = None
+        for _ in range(8):  # the holder may remove the file between our open and our flock
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip()
+                os.close(fd)
+                pid = f" (pid {holder})" if holder.isdigit() else ""
+                raise TQExportError(
+                    f"another tqexport build{pid} is writing {target}; wait for it to finish "
+                    "or choose another -o"
+                ) from None
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in _UNSUPPORTED | {errno.ENOLCK}:
+                    raise
+                self.path.unlink(missing_ok=True)  # no locks on this filesystem: the swap guards
+                return
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+                self.fd = fd
+                return
+            os.close(fd)
+        raise TQExportError(f"cannot lock {self.path}: it keeps changing; try again")
+
+    def release(self) -> None:
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)  # while still held, so no one locks a lost file
+            os.close(self.fd)
+            self.fd = None
+
+
 class Staging:
     """The sibling directory a build writes into; ``commit`` swaps it in, ``discard`` undoes
     everything, including parent directories this build created."""
 
-    def __init__(self, target: Path):
+    def __init__(self, target: Path, force: bool = False):
         self.target = target
         #: parents this build creates, outermost first (removed again by ``discard``)
         self.created_parents = [p for p in target.parents if not p.exists()][::-1]
+        self.path: Path | None = None  # the staged build, while it is ours to delete
+        self._staged: tuple[int, int] | None = None  # its identity, checked before deleting
+        self._lock: _Lock | None = None
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            self.path = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-            if self.path.exists():
-                shutil.rmtree(self.path)
-            self.path.mkdir()
+            self._lock = _Lock(target)
+            remove_stale_staging(target)
+            try:
+                #: what the target was when checked under the lock (None: absent)
+                self.replaces = _snapshot(target)
+            except OSError:
+                self.replaces = None  # unreadable: check_target refuses it
+            check_target(target, force)
+            path = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+            path.mkdir()
+            self.path, self._staged = path, _identity(path)
         except OSError as e:
+            self.discard()
             raise TQExportError(f"cannot write into {target.parent}: {e.strerror}") from None
+        except BaseException:
+            self.discard()
+            raise
 
     def check_free_space(self, need_bytes: int) -> None:
         free = shutil.disk_usage(self.path).free
@@ -114,23 +302,92 @@ class Staging:
                 f"about {need_bytes / 2**20:.0f} MiB; free space or choose another -o"
             )
 
-    def commit(self) -> None:
-        """Make files readable as the umask allows, then swap the staged directory in."""
+    def commit(self) -> str | None:
+        """Make files readable as the umask allows, then swap the staged directory in; returns
+        what it replaced (None when the target did not exist)."""
         mask = os.umask(0)
         os.umask(mask)
         for p in self.path.iterdir():
             if p.is_file():
                 p.chmod(0o666 & ~mask)
-        old = None
-        if self.target.exists():
+        replaced = None
+        if self.replaces is None:
+            self._move_in()
+        else:
+            replaced = self._replace()
+        self.path = None
+        self._lock.release()
+        return replaced
+
+    def _move_in(self) -> None:
+        try:
+            rename_noreplace(self.path, self.target)
+        except FileExistsError:
+            raise TQExportError(
+                f"{self.target} was created by something else during the build; left it as it "
+                "is and discarded this build; remove it or choose another -o"
+            ) from None
+
+    def _replace(self) -> str | None:
+        """Swap the old directory out, check it is what was checked, remove it; else put it
+        back and refuse."""
+        files = sum(stat.S_ISREG(mode) for mode, _, _ in self.replaces[2].values())
+        what = f"the artifact that was in {self.target} ({files} files)"
+        if not files:
+            what = f"the empty directory {self.target}"
+        try:
+            exchanged = _renameat2(self.path, self.target, _RENAME_EXCHANGE)
             old = self.target.with_name(f".{self.target.name}.old-{os.getpid()}")
-            self.target.rename(old)
-        self.path.rename(self.target)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            if exchanged:
+                old = self.path
+            else:
+                os.rename(self.target, old)
+        except FileNotFoundError:  # removed meanwhile: nothing to replace
+            self._move_in()
+            return None
+        if exchanged:
+            self.path = None  # holds the old directory now, not ours to delete
+        try:
+            same = _snapshot(old) == self.replaces
+        except OSError:
+            same = False
+        if not same:
+            self._put_back(old, exchanged)
+            raise TQExportError(
+                f"{self.target} changed during the build (files added, removed or rewritten "
+                "since the check); left it as it is and discarded this build; build again"
+            )
+        if not exchanged:
+            try:
+                rename_noreplace(self.path, self.target)
+            except FileExistsError:
+                raise TQExportError(
+                    f"{self.target} was created by something else during the swap; left it as "
+                    f"it is, moved the old artifact to {old} and discarded this build"
+                ) from None
+        shutil.rmtree(old, ignore_errors=True)
+        return what
+
+    def _put_back(self, old: Path, exchanged: bool) -> None:
+        """Return the swapped-out directory ``old`` to the target's name."""
+        try:
+            if exchanged:
+                _renameat2(old, self.target, _RENAME_EXCHANGE)
+                self.path = old  # the staged build again, if it still is (see discard)
+            else:
+                rename_noreplace(old, self.target)
+        except OSError:
+            raise TQExportError(
+                f"{self.target} changed during the build and could not be put back; its "
+                f"earlier content is in {old}, nothing deleted; move it back yourself"
+            ) from None
 
     def discard(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        if self.path is not None and _identity(self.path) == self._staged:
+            shutil.rmtree(self.path, ignore_errors=True)
+        self.path = None
+        if self._lock is not None:
+            self._lock.release()
         for p in reversed(self.created_parents):  # innermost first
             try:
                 p.rmdir()
