@@ -22,19 +22,19 @@ from tqexport.bench.commands import bench_app
 from tqexport.console import console, err, error_exit, fmt_bytes, ok_text, run_in_stages
 from tqexport.console import warn as _warn
 from tqexport.errors import TQExportError
+from tqexport.native import KERNEL_CHOICES
 from tqexport.options import (
     BlockSizeOption,
     BoundaryOption,
     EngineOptions,
-    KeyTransformOption,
     KernelsOption,
+    KeyTransformOption,
     KvDtypeOption,
     MemoryOptions,
     RecentWindowOption,
     SinkTokensOption,
     SkipOption,
 )
-from tqexport.native import KERNEL_CHOICES
 from tqexport.runtime.config import EngineConfig
 from tqexport.validate import DEFAULT_BLOCK_SIZE, printable
 

@@ -129,7 +129,8 @@ def build(sanitize: bool = False, compiler: str | None = None) -> Built:
     units = [(src, f"{src.stem}.o", []) for src in sorted(SOURCE_DIR.glob("*.cc"))
              if src.stem != ATTENTION_SOURCE]  # fmt: skip
     kernel = SOURCE_DIR / f"{ATTENTION_SOURCE}.cc"
-    units += [(kernel, f"{ATTENTION_SOURCE}_{isa}.o", [*ATTENTION_FLAGS, *march, f"-DTQX_ISA={isa}"])
+    units += [(kernel, f"{ATTENTION_SOURCE}_{isa}.o",
+               [*ATTENTION_FLAGS, *march, f"-DTQX_ISA={isa}"])
               for isa, march in ISA_FLAGS.items()]  # fmt: skip
     objects = []
     for src, name, extra in units:
