@@ -39,7 +39,7 @@ struct Item {
   int64_t seq, head, q0, q1, k0, k1, part;  // part: index of its partial result, -1 = none
 };
 
-// Runs one item: writes its rows to `out` (part < 0) or their softmax state (m, l, acc, accr
+// Runs one item: writes its rows to `out` (part < 0) or their softmax state (m, l, acc, accm
 // per row) to `partial`.
 using RunItem = void (*)(const AttentionStep&, const Item&, float* partial);
 
@@ -63,20 +63,25 @@ constexpr int64_t kSplitKeys = 512;  // keys per split in decode steps (one quer
 constexpr int kMaxSplits = 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// finish a row: out = (acc + accr @ H) / l, or zeros when the query saw nothing
+// finish a row: out = (acc + accm back in natural order and basis) / l, or zeros when the
+// query saw nothing; acc sums the recent cache's values, accm the layer cache's in its basis
 inline void finish_row(const AttentionStep& s, int64_t t, int64_t head, float l, float* acc,
-                       float* accr) {
+                       float* accm) {
   const int d = s.head_size;
   float* o = s.out + (t * s.num_heads + head) * d;
   if (!(l > 0.0f)) {
     std::fill_n(o, d, 0.0f);
     return;
   }
-  if (accr) {
-    hadamard(accr, d);
-    for (int i = 0; i < d; ++i) acc[i] += accr[i];
+  const Format& f = *s.format;
+  std::vector<float> natural;
+  if (f.value_parts()) {
+    natural.resize(d);
+    from_parts(accm, natural.data(), d);
+    accm = natural.data();
   }
-  for (int i = 0; i < d; ++i) o[i] = acc[i] / l;
+  if (f.value_rotated()) hadamard(accm, d);
+  for (int i = 0; i < d; ++i) o[i] = (acc[i] + accm[i]) / l;
 }
 }  // namespace attn
 
@@ -85,7 +90,6 @@ template <typename ParallelFor>
 void paged_attention(const AttentionStep& s, RunItem run_item, ParallelFor&& parallel_for) {
   using namespace attn;
   const int d = s.head_size, groups = s.num_heads / s.kv_heads;
-  const bool rot_v = s.format->value_rotated();
   std::fill_n(s.out, s.num_tokens * s.num_heads * d, 0.0f);
   int64_t longest = 0;
   for (int64_t q = 0; q < s.num_seqs; ++q)
@@ -113,7 +117,7 @@ void paged_attention(const AttentionStep& s, RunItem run_item, ParallelFor&& par
       }
     }
   }
-  const size_t row_floats = 2 + size_t(d) * 2;  // m, l, acc [d], accr [d]
+  const size_t row_floats = 2 + size_t(d) * 2;  // m, l, acc [d], accm [d]
   std::vector<float> partial(size_t(parts) * groups * row_floats);
   parallel_for(items.size(), [&](size_t i) {
     const Item& it = items[i];
@@ -121,7 +125,7 @@ void paged_attention(const AttentionStep& s, RunItem run_item, ParallelFor&& par
   });
   if (!parts) return;
   // merge the splits of each (sequence, kv head): they are consecutive items
-  std::vector<float> acc(d), accr(d);
+  std::vector<float> acc(d), accm(d);
   for (size_t i = 0; i < items.size();) {
     size_t j = i;
     while (j < items.size() && items[j].part >= 0 && items[j].seq == items[i].seq &&
@@ -137,7 +141,7 @@ void paged_attention(const AttentionStep& s, RunItem run_item, ParallelFor&& par
       for (size_t k = i; k < j; ++k)
         m = std::max(m, partial[(size_t(items[k].part) * groups + r) * row_floats]);
       std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(accr.begin(), accr.end(), 0.0f);
+      std::fill(accm.begin(), accm.end(), 0.0f);
       float l = 0.0f;
       if (m != kNegInf) {
         for (size_t k = i; k < j; ++k) {
@@ -146,11 +150,10 @@ void paged_attention(const AttentionStep& s, RunItem run_item, ParallelFor&& par
           const float c = std::exp(p[0] - m);
           l += p[1] * c;
           for (int e = 0; e < d; ++e) acc[e] += c * p[2 + e];
-          if (rot_v)
-            for (int e = 0; e < d; ++e) accr[e] += c * p[2 + d + e];
+          for (int e = 0; e < d; ++e) accm[e] += c * p[2 + d + e];
         }
       }
-      finish_row(s, it.q0, it.head * groups + r, l, acc.data(), rot_v ? accr.data() : nullptr);
+      finish_row(s, it.q0, it.head * groups + r, l, acc.data(), accm.data());
     }
     i = j;
   }

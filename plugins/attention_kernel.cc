@@ -55,15 +55,15 @@ inline void axpy(float* __restrict y, float a, const float* __restrict x, int d)
   for (int i = 0; i < d; ++i) y[i] += a * x[i];
 }
 
-// Per-row softmax state of one item: running max, sum, and the weighted value sums (plain,
-// and in the rotated basis for MSE values of the main cache).
+// Per-row softmax state of one item: running max, sum, and the weighted value sums: of the
+// recent cache (natural order) and of the layer's cache (in its basis and order, see
+// attn::finish_row); queries as the recent cache and the layer's cache read them.
 struct Rows {
   int n, d;
-  std::vector<float> q, qrot, m, l, acc, accr;
-  Rows(int n_, int d_, bool rot_k, bool rot_v)
-      : n(n_), d(d_), q(size_t(n_) * d_), qrot(rot_k ? size_t(n_) * d_ : 0),
-        m(n_, kNegInf), l(n_, 0.0f), acc(size_t(n_) * d_, 0.0f),
-        accr(rot_v ? size_t(n_) * d_ : 0, 0.0f) {}
+  std::vector<float> q, qm, m, l, acc, accm;
+  Rows(int n_, int d_)
+      : n(n_), d(d_), q(size_t(n_) * d_), qm(size_t(n_) * d_), m(n_, kNegInf), l(n_, 0.0f),
+        acc(size_t(n_) * d_, 0.0f), accm(size_t(n_) * d_, 0.0f) {}
 };
 
 struct Scratch {
@@ -81,8 +81,7 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
   const PagedSource& src = kind == Kind::Main ? s.main : s.recent;
   const Format& fmt = *src.format;
   const int d = s.head_size, groups = s.num_heads / s.kv_heads;
-  const bool rot_k = kind == Kind::Main && fmt.key_rotated();
-  const bool rot_v = kind == Kind::Main && fmt.value_rotated();
+  const bool main = kind == Kind::Main;
   float* ktile = sc.keys.data();
   float kmul[kKeyTile];
   int64_t th[kKeyTile];
@@ -105,7 +104,7 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
     bool used[kKeyTile] = {};
     for (int r = 0; r < rows.n; ++r) {
       const int64_t P = pos[r / groups];
-      const float* q = rot_k ? &rows.qrot[size_t(r) * d] : &rows.q[size_t(r) * d];
+      const float* q = main ? &rows.qm[size_t(r) * d] : &rows.q[size_t(r) * d];
       float* pr = &sc.scores[size_t(r) * kKeyTile];
       uint8_t* sn = &sc.seen[size_t(r) * kKeyTile];
       bool any = false;
@@ -136,11 +135,9 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
       const float corr = rows.m[r] == kNegInf ? 0.0f : exp_neg(rows.m[r] - m_new);
       if (corr != 1.0f) {
         float* acc = &rows.acc[size_t(r) * d];
+        float* accm = &rows.accm[size_t(r) * d];
         for (int i = 0; i < d; ++i) acc[i] *= corr;
-        if (!rows.accr.empty()) {
-          float* accr = &rows.accr[size_t(r) * d];
-          for (int i = 0; i < d; ++i) accr[i] *= corr;
-        }
+        for (int i = 0; i < d; ++i) accm[i] *= corr;
       }
       float sum = 0.0f;
       for (int j = 0; j < nk; ++j) {
@@ -157,7 +154,7 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
       decode_value<M>(fmt, src.view, th[j], value);
       for (int r = 0; r < rows.n; ++r) {
         if (!sc.seen[size_t(r) * kKeyTile + j]) continue;
-        float* acc = rot_v ? &rows.accr[size_t(r) * d] : &rows.acc[size_t(r) * d];
+        float* acc = main ? &rows.accm[size_t(r) * d] : &rows.acc[size_t(r) * d];
         axpy(acc, sc.scores[size_t(r) * kKeyTile + j], value, d);
       }
     }
@@ -185,16 +182,21 @@ void segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, int6
 
 void run_item(const AttentionStep& s, const Item& it, float* partial) {
   const int d = s.head_size, groups = s.num_heads / s.kv_heads;
-  const bool rot_k = s.format->key_rotated(), rot_v = s.format->value_rotated();
+  const Format& f = *s.format;
   const int n = static_cast<int>((it.q1 - it.q0) * groups);
-  Rows rows(n, d, rot_k, rot_v);
+  Rows rows(n, d);
+  std::vector<float> rotated(d);
   for (int r = 0; r < n; ++r) {
     const int64_t t = it.q0 + r / groups, head = it.head * groups + r % groups;
-    std::copy_n(s.q + (t * s.num_heads + head) * d, d, &rows.q[size_t(r) * d]);
-    if (rot_k) {
-      std::copy_n(&rows.q[size_t(r) * d], d, &rows.qrot[size_t(r) * d]);
-      hadamard(&rows.qrot[size_t(r) * d], d);
-    }
+    float* q = &rows.q[size_t(r) * d];
+    float* qm = &rows.qm[size_t(r) * d];
+    std::copy_n(s.q + (t * s.num_heads + head) * d, d, q);
+    std::copy_n(q, d, rotated.data());
+    if (f.key_rotated()) hadamard(rotated.data(), d);
+    if (f.key_parts())
+      to_parts(rotated.data(), qm, d);
+    else
+      std::copy_n(rotated.data(), d, qm);
   }
   std::vector<int64_t> pos(s.positions + it.q0, s.positions + it.q1);
   const int64_t pmin = *std::min_element(pos.begin(), pos.end());
@@ -216,7 +218,7 @@ void run_item(const AttentionStep& s, const Item& it, float* partial) {
   if (!partial) {
     for (int r = 0; r < n; ++r)
       attn::finish_row(s, it.q0 + r / groups, it.head * groups + r % groups, rows.l[r],
-                       &rows.acc[size_t(r) * d], rot_v ? &rows.accr[size_t(r) * d] : nullptr);
+                       &rows.acc[size_t(r) * d], &rows.accm[size_t(r) * d]);
     return;
   }
   const size_t row_floats = 2 + size_t(d) * 2;
@@ -224,7 +226,7 @@ void run_item(const AttentionStep& s, const Item& it, float* partial) {
     partial[0] = rows.m[r];
     partial[1] = rows.l[r];
     std::copy_n(&rows.acc[size_t(r) * d], d, partial + 2);
-    if (rot_v) std::copy_n(&rows.accr[size_t(r) * d], d, partial + 2 + d);
+    std::copy_n(&rows.accm[size_t(r) * d], d, partial + 2 + d);
   }
 }
 

@@ -4,6 +4,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "formats.h"
 
@@ -33,6 +36,42 @@ inline void unpack_lookup(const uint8_t* in, int n, int bits, const float* table
   }
 }
 
+// 4-bit codes -> table values in parts order: out[i] = table[low nibble of in[i]],
+// out[n/2 + i] = table[high nibble] (one permute per 16 or 8 codes where the CPU has them).
+inline void unpack4_parts(const uint8_t* in, int n, const float* table, float* out) {
+  const int half = n / 2;
+  int i = 0;
+#if defined(__AVX512F__)
+  const __m512 t = _mm512_loadu_ps(table);
+  const __m512i mask = _mm512_set1_epi32(15);
+  for (; i + 16 <= half; i += 16) {
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
+    _mm512_storeu_ps(out + i, _mm512_permutexvar_ps(_mm512_and_si512(x, mask), t));
+    _mm512_storeu_ps(out + half + i, _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), t));
+  }
+#elif defined(__AVX2__)
+  const __m256 t0 = _mm256_loadu_ps(table), t1 = _mm256_loadu_ps(table + 8);
+  const __m256i mask = _mm256_set1_epi32(15);
+  for (; i + 8 <= half; i += 8) {
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in + i)));
+    const __m256i lo = _mm256_and_si256(x, mask), hi = _mm256_srli_epi32(x, 4);
+    // bit 3 of the code picks the table's upper half (blendv reads the sign bit)
+    const __m256 lo_v = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, lo),
+                                         _mm256_permutevar8x32_ps(t1, lo),
+                                         _mm256_castsi256_ps(_mm256_slli_epi32(lo, 28)));
+    const __m256 hi_v = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, hi),
+                                         _mm256_permutevar8x32_ps(t1, hi),
+                                         _mm256_castsi256_ps(_mm256_slli_epi32(hi, 28)));
+    _mm256_storeu_ps(out + i, lo_v);
+    _mm256_storeu_ps(out + half + i, hi_v);
+  }
+#endif
+  for (; i < half; ++i) {
+    out[i] = table[in[i] & 15];
+    out[half + i] = table[in[i] >> 4];
+  }
+}
+
 inline float get_half(const uint8_t* p) { return half_value(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
 
 inline float nvfp4_value(int code) {
@@ -55,6 +94,7 @@ inline void nvfp4_decode(const uint8_t* in, int d, float global_scale, float* ou
 
 using detail::get_half;
 using detail::nvfp4_decode;
+using detail::unpack4_parts;
 using detail::unpack_lookup;
 
 // Decoders are templates on the mode: a kernel instantiates one per format, so the per-slot
@@ -105,7 +145,10 @@ inline float decode_key(const Format& f, const CacheView& c, int64_t th, float* 
         for (int i = 0; i < d; ++i) out[i] = gen::kE4M3[slot[i]];
         return 1.0f;
       }
-      unpack_lookup(slot, d, f.preset->key_bits, f.key_book->centroids, out);
+      if (f.key_parts())
+        unpack4_parts(slot, d, f.key_book->centroids, out);
+      else
+        unpack_lookup(slot, d, f.preset->key_bits, f.key_book->centroids, out);
       float scale = get_half(slot + lay.key_norm_offset);
       if (f.preset->norm_correction) {
         float sumsq = 0.0f;
@@ -176,7 +219,10 @@ inline void decode_value(const Format& f, const CacheView& c, int64_t th, float*
         return;
       }
       static const float kIdentity[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-      unpack_lookup(codes, d, p.value_bits, kIdentity, out);
+      if (f.value_parts())
+        unpack4_parts(codes, d, kIdentity, out);
+      else
+        unpack_lookup(codes, d, p.value_bits, kIdentity, out);
       const int n = d / lay.value_groups;
       for (int g = 0; g < lay.value_groups; ++g) {
         const uint8_t* params = slot + lay.value_params_offset + 4 * g;

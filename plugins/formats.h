@@ -70,6 +70,12 @@ struct Format {
 
   bool key_rotated() const { return preset && preset->key_bits != 8; }
   bool value_rotated() const { return preset && preset->value_mse; }
+  // 4-bit codes decode in "parts" order (the low nibbles' elements 0, 2, 4, ..., then the high
+  // nibbles' 1, 3, 5, ...): queries are permuted to match and value sums permuted back once
+  bool key_parts() const { return preset && preset->key_bits == 4; }
+  bool value_parts() const {
+    return preset && !preset->value_mse && preset->value_bits == 4 && layout->value_groups == 1;
+  }
 };
 
 // fp32 Walsh-Hadamard transform scaled to the orthonormal Sylvester matrix: x <- x @ H / sqrt(D)
@@ -86,6 +92,21 @@ inline void hadamard(float* x, int d) {
   }
   const float s = 1.0f / std::sqrt(static_cast<float>(d));
   for (int i = 0; i < d; ++i) x[i] *= s;
+}
+
+// x [D] in natural order -> parts order (see Format::key_parts), and back.
+inline void to_parts(const float* x, float* out, int d) {
+  for (int i = 0; i < d / 2; ++i) {
+    out[i] = x[2 * i];
+    out[d / 2 + i] = x[2 * i + 1];
+  }
+}
+
+inline void from_parts(const float* x, float* out, int d) {
+  for (int i = 0; i < d / 2; ++i) {
+    out[2 * i] = x[i];
+    out[2 * i + 1] = x[d / 2 + i];
+  }
 }
 
 // Parse a node's cache description; empty string on success, else what is wrong.
