@@ -1,6 +1,12 @@
-"""The files of an artifact directory and the ONNX metadata entry that embeds its spec."""
+"""The files of an artifact directory, how any of them is opened (confined to the artifact), and
+the ONNX metadata entry that embeds the spec."""
 
 from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
 
 import onnx
 
@@ -14,6 +20,114 @@ SPEC_FILE = "tqexport.json"
 ENGINE_FILE = "engine.plan"
 PROFILE_FILE = "engine.json"
 SPEC_METADATA_KEY = "tqexport.spec"
+GENERATION_CONFIG_FILE = "generation_config.json"
+#: where transformers 5 keeps the chat template, and the older place
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+#: a tokenizer's extra named chat templates (``NAME.jinja`` files), written by transformers
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+#: the tokenizer file set: every name transformers may read from a tokenizer directory that an
+#: artifact can carry (config files, fast and slow vocabularies, chat templates); only these are
+#: handed to transformers (see ``runtime.text.load_tokenizer``)
+TOKENIZER_SET = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    *CHAT_TEMPLATE_FILES,
+    "config.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "sentencepiece.model",
+    "spm.model",
+    "tekken.json",
+    "tiktoken.model",
+)
+
+_NOT_FILES = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+
+def _confined(root: Path, name: str) -> tuple[Path, Path, os.stat_result] | None:
+    """(``root / name``, its real path, its stat), None when there is no such entry; one
+    ``TQExportError`` naming the file when it must not be opened (see :func:`artifact_file`)."""
+    path = Path(root) / name
+    fix = "copy the file itself into the artifact or rebuild it"
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise TQExportError(f"cannot read {path} ({e.strerror}); {fix}") from None
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise TQExportError(f"{path} is a link loop; {fix}") from None
+        if isinstance(e, FileNotFoundError):
+            target = os.path.realpath(path)
+            raise TQExportError(
+                f"{path} is a link to {target!r:.200}, which does not exist; {fix}"
+            ) from None
+        raise TQExportError(f"cannot read {path} ({e.strerror}); {fix}") from None
+    real = Path(os.path.realpath(path))
+    if not real.is_relative_to(os.path.realpath(root)):
+        raise TQExportError(
+            f"{path} is a link to {str(real)!r:.200}, outside the artifact; refusing to read it, "
+            f"{fix}"
+        )
+    if not stat.S_ISREG(st.st_mode):
+        kind = _NOT_FILES.get(stat.S_IFMT(st.st_mode), "not a file")
+        raise TQExportError(f"{path} is {kind}, not a regular file; {fix}")
+    return path, real, st
+
+
+def artifact_file(root: Path, name: str) -> Path | None:
+    """``root / name`` checked before anything (this package, ONNX Runtime, TensorRT,
+    transformers) opens it: None when the artifact has no such entry, else a regular file whose
+    real path lies inside the artifact's real directory.
+
+    Anything else is one ``TQExportError`` naming the file: a link (or a linked directory on
+    the way) whose target lies outside the artifact, a dangling link, a link loop, and
+    directories, FIFOs, sockets and devices (opening a FIFO would block). Links that stay
+    inside the artifact are allowed: they read only the artifact's own bytes (e.g. a weights
+    file linked to a renamed copy next to it), so refusing them would protect nothing."""
+    found = _confined(root, name)
+    return None if found is None else found[0]
+
+
+def read_artifact_file(root: Path, name: str, max_bytes: int | None = None) -> bytes | None:
+    """The bytes of ``root / name`` (at most ``max_bytes``), checked as :func:`artifact_file`
+    does; opened by its real path without following a link and without blocking, and refused
+    when what was opened is not the file that was checked (replaced meanwhile)."""
+    found = _confined(root, name)
+    if found is None:
+        return None
+    path, real, st = found
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(real, flags)
+    except OSError as e:
+        raise TQExportError(f"cannot read {path} ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        now = os.fstat(fd)
+        if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise TQExportError(
+                f"{path} was replaced while being opened; retry when nothing is changing the "
+                "artifact"
+            )
+        try:
+            return f.read() if max_bytes is None else f.read(max_bytes)
+        except OSError as e:
+            raise TQExportError(f"cannot read {path} ({e.strerror})") from None
 
 
 def set_spec_metadata(model: onnx.ModelProto, spec: ModelSpec) -> None:

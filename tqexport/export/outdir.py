@@ -23,14 +23,17 @@ _STAGING = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)$")
 
 def is_artifact_dir(path: Path) -> bool:
     """A flat directory whose tqexport.json is a JSON object written by tqexport."""
-    from tqexport.contract.files import SPEC_FILE
+    from tqexport.contract.files import SPEC_FILE, read_artifact_file
 
-    spec = path / SPEC_FILE
-    if not spec.is_file() or any(p.is_dir() for p in path.iterdir()):
+    try:
+        raw = read_artifact_file(path, SPEC_FILE, 64 << 20)
+    except TQExportError:  # a link outward, a FIFO, ...: not one of ours
+        return False
+    if raw is None or any(p.is_dir() for p in path.iterdir()):
         return False
     try:
-        data = json.loads(spec.read_bytes()[: 64 << 20])
-    except (OSError, ValueError):
+        data = json.loads(raw)
+    except ValueError:
         return False
     return isinstance(data, dict) and "tqexport_version" in data and "schema_version" in data
 
