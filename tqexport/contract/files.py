@@ -66,7 +66,7 @@ def _confined(root: Path, name: str) -> tuple[Path, Path, os.stat_result] | None
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
-        raise TQExportError(f"cannot read {path} ({e.strerror}); {fix}") from None
+        raise TQExportError(f"cannot read {path} ({e.strerror})") from None
     try:
         st = os.stat(path)
     except OSError as e:
@@ -77,7 +77,7 @@ def _confined(root: Path, name: str) -> tuple[Path, Path, os.stat_result] | None
             raise TQExportError(
                 f"{path} is a link to {target!r:.200}, which does not exist; {fix}"
             ) from None
-        raise TQExportError(f"cannot read {path} ({e.strerror}); {fix}") from None
+        raise TQExportError(f"cannot read {path} ({e.strerror})") from None
     real = Path(os.path.realpath(path))
     if not real.is_relative_to(os.path.realpath(root)):
         raise TQExportError(
@@ -85,7 +85,7 @@ def _confined(root: Path, name: str) -> tuple[Path, Path, os.stat_result] | None
             f"{fix}"
         )
     if not stat.S_ISREG(st.st_mode):
-        kind = _NOT_FILES.get(stat.S_IFMT(st.st_mode), "not a file")
+        kind = _NOT_FILES.get(stat.S_IFMT(st.st_mode), "a special file")
         raise TQExportError(f"{path} is {kind}, not a regular file; {fix}")
     return path, real, st
 
@@ -99,7 +99,9 @@ def artifact_file(root: Path, name: str) -> Path | None:
     the way) whose target lies outside the artifact, a dangling link, a link loop, and
     directories, FIFOs, sockets and devices (opening a FIFO would block). Links that stay
     inside the artifact are allowed: they read only the artifact's own bytes (e.g. a weights
-    file linked to a renamed copy next to it), so refusing them would protect nothing."""
+    file linked to a renamed copy next to it), so refusing them would protect nothing. A path
+    handed to another library is checked here, not opened: replacing the file between the two
+    is not guarded against (:func:`read_artifact_file` is, for what this package reads)."""
     found = _confined(root, name)
     return None if found is None else found[0]
 

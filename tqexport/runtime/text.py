@@ -91,7 +91,7 @@ def chat_template_file(artifact_dir: Path) -> Path:
     return artifact_dir / "tokenizer_config.json"
 
 
-def tokenizer_set(artifact_dir: Path) -> dict[str, bytes]:
+def _tokenizer_set(artifact_dir: Path) -> dict[str, bytes]:
     """Name -> bytes of every file of the tokenizer file set the artifact carries
     (``contract.files.TOKENIZER_SET`` and the ``*.jinja`` files of its extra chat templates),
     each read as a regular file inside the artifact."""
@@ -101,13 +101,16 @@ def tokenizer_set(artifact_dir: Path) -> dict[str, bytes]:
         if data is not None:
             files[name] = data
     extra = Path(artifact_dir) / CHAT_TEMPLATE_DIR
-    if extra.is_dir():
-        for entry in sorted(os.listdir(extra)):
-            if entry.endswith(".jinja"):
-                name = f"{CHAT_TEMPLATE_DIR}/{entry}"
-                data = read_artifact_file(artifact_dir, name)
-                if data is not None:
-                    files[name] = data
+    try:
+        entries = sorted(os.listdir(extra)) if extra.is_dir() else []
+    except OSError as e:
+        raise TQExportError(f"cannot read {extra} ({e.strerror})") from None
+    for entry in entries:
+        if entry.endswith(".jinja"):
+            name = f"{CHAT_TEMPLATE_DIR}/{entry}"
+            data = read_artifact_file(artifact_dir, name)
+            if data is not None:
+                files[name] = data
     return files
 
 
@@ -115,7 +118,7 @@ def load_tokenizer(artifact_dir: Path):
     """The artifact's tokenizer. transformers opens files by itself from a directory, so it is
     handed a private copy of the tokenizer file set, read and checked here: it never sees a
     link, a FIFO or any other file of the artifact."""
-    files = tokenizer_set(artifact_dir)
+    files = _tokenizer_set(artifact_dir)
     if not any(f in files for f in TOKENIZER_FILES):
         raise TQExportError(
             f"{artifact_dir} has no tokenizer (built from a model without one, e.g. a tiny "
