@@ -400,6 +400,19 @@ def test_run_every_prompt_rejected_by_the_cache_exits_1(served, capsys):
     assert "warning: request 0: rejected: a prompt of 100 tokens does not fit" in err
 
 
+def test_run_json_never_reads_a_chat_template_linked_outside(served, tmp_path, capsys):
+    """A chat_template.jinja linked to a file elsewhere used to become the prompt: its bytes
+    came back as prompt_token_ids."""
+    art = served()
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOPSECRET")
+    (art / "chat_template.jinja").symlink_to(secret)
+    code, out, err = main_inproc(capsys, "run", art, "--prompt", "hi", "--max-tokens", "2",
+                                 "--json")  # fmt: skip
+    assert code == 2 and out == ""
+    one_error_line(err, f"{art / 'chat_template.jinja'} is a link to {str(secret)!r}, outside")
+
+
 def test_run_num_blocks_beyond_this_machines_memory(served, capsys, monkeypatch):
     from tqexport import validate
 

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import onnx
 
-from tqexport.contract.files import MODEL_FILE, SPEC_FILE, WEIGHTS_FILE, read_spec_metadata
+from tqexport.contract.files import (
+    MODEL_FILE,
+    SPEC_FILE,
+    WEIGHTS_FILE,
+    artifact_file,
+    read_artifact_file,
+    read_spec_metadata,
+)
 from tqexport.errors import TQExportError
 from tqexport.spec import MAX_SPEC_BYTES, ModelSpec, SpecError, parse_spec_json
 
@@ -23,38 +30,41 @@ class Artifact:
 
     @property
     def model_file(self) -> Path:
-        return self.path / MODEL_FILE
+        """The graph's path, checked to be a regular file inside the artifact (what ONNX Runtime
+        and TensorRT open by path)."""
+        path = artifact_file(self.path, MODEL_FILE)
+        if path is None:
+            raise TQExportError(f"{self.path} has no {MODEL_FILE}; rebuild the artifact")
+        return path
 
 
 def open_artifact(path: str | Path) -> Artifact:
-    """Validate presence, spec, graph I/O against the spec, and weight-file integrity."""
+    """Validate presence, spec, graph I/O against the spec, and weight-file integrity; every
+    file is checked by ``contract.files.artifact_file`` (regular, inside the artifact)."""
     root = Path(path)
     if not root.is_dir():
         raise TQExportError(f"artifact {root} not found; build one with `tqexport build`")
     spec_file = root / SPEC_FILE
-    if not spec_file.is_file():
+    raw = read_artifact_file(root, SPEC_FILE, MAX_SPEC_BYTES + 1)  # the loader refuses more
+    if raw is None:
         raise TQExportError(f"{root} has no {SPEC_FILE}; is it a tqexport artifact?")
-    try:
-        with spec_file.open("rb") as f:
-            raw = f.read(MAX_SPEC_BYTES + 1)  # the loader refuses more; never read it all
-    except OSError as e:
-        raise TQExportError(f"{spec_file} cannot be read ({e.strerror})") from None
     try:
         data = parse_spec_json(raw)
         spec = ModelSpec.from_dict(data)
     except SpecError as e:
         raise TQExportError(f"{spec_file}: {e}") from None
     model_file = root / MODEL_FILE
-    if not model_file.is_file():
+    serialized = read_artifact_file(root, MODEL_FILE)
+    if serialized is None:
         raise TQExportError(f"{root} has no {MODEL_FILE}; rebuild the artifact")
     try:
-        graph = onnx.load(str(model_file), load_external_data=False)
+        graph = onnx.load_model_from_string(serialized)
     except Exception as e:  # onnx raises DecodeError and others for a damaged file
         raise TQExportError(
             f"{model_file} is not a readable ONNX model ({type(e).__name__}); "
             "it may be truncated, rebuild the artifact"
         ) from None
-    need = _check_external_data(graph, root, model_file)
+    need = _check_external_data(graph, model_file)
     _check_io(spec, graph, model_file)
     try:
         embedded = parse_spec_json(read_spec_metadata(graph))
@@ -117,7 +127,7 @@ def _tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
             graphs.extend(a.graphs)
 
 
-def _check_external_data(graph: onnx.ModelProto, root: Path, model_file: Path) -> int:
+def _check_external_data(graph: onnx.ModelProto, model_file: Path) -> int:
     """Every external tensor lives in the artifact's own weights file: refuse any other location
     (absolute, ``..``, another file) before anything follows it. Returns the bytes needed."""
     need = 0
@@ -142,23 +152,15 @@ def _check_external_data(graph: onnx.ModelProto, root: Path, model_file: Path) -
                 )
             ends.append(int(text))
         need = max(need, sum(ends))
-    data = root / WEIGHTS_FILE
-    if need and data.is_symlink():
-        try:
-            target = data.resolve()
-            inside = target.parent == root.resolve()
-        except (OSError, RuntimeError):  # a link loop
-            target, inside = "a link loop", False
-        if not inside:
-            raise TQExportError(
-                f"{data} is a link to {str(target)[:200]!r}, outside the artifact; copy the file "
-                "in or rebuild the artifact"
-            )
     return need
 
 
 def _check_weights(root: Path, need: int) -> None:
+    """The weights file (when the graph has external data) is a regular file inside the
+    artifact, at least as long as the graph's tensors need."""
     if need:
-        data = root / WEIGHTS_FILE
-        if not data.is_file() or data.stat().st_size < need:
-            raise TQExportError(f"{data} is missing or truncated; rebuild the artifact")
+        data = artifact_file(root, WEIGHTS_FILE)
+        if data is None or data.stat().st_size < need:
+            raise TQExportError(
+                f"{root / WEIGHTS_FILE} is missing or truncated; rebuild the artifact"
+            )

@@ -9,6 +9,7 @@ lazily: without it (or without a GPU) the build stops with a one-line error sayi
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import onnx
@@ -116,9 +117,19 @@ def build_engine(artifact_dir: str | Path, max_batch: int, max_tokens: int, max_
     plan = builder.build_serialized_network(network, config)
     if plan is None:
         raise TQExportError("TensorRT failed to build the engine (see its log above)")
-    out = art.path / ENGINE_FILE
-    out.write_bytes(bytes(plan))
     limits = {"max_batch": max_batch, "max_num_batched_tokens": max_tokens,
               "max_blocks": max_blocks, "tensorrt": trt.__version__}  # fmt: skip
-    (art.path / PROFILE_FILE).write_text(json.dumps(limits, indent=2))
-    return out
+    _replace(art.path / ENGINE_FILE, bytes(plan))
+    _replace(art.path / PROFILE_FILE, json.dumps(limits, indent=2).encode())
+    return art.path / ENGINE_FILE
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Write ``path`` as a new file (a temporary name, then renamed over it): a link or FIFO
+    left at ``path`` is replaced, never written through, and no reader sees half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -21,9 +21,9 @@ from tqexport.runtime.config import EngineConfig
 from tqexport.runtime.executor import Executor
 from tqexport.runtime.sequence import SamplingParams, Sequence, Status
 from tqexport.runtime.text import (
-    TOKENIZER_FILES,
     StreamDecoder,
     encode_prompt,
+    has_tokenizer,
     load_tokenizer,
     stop_token_ids,
     tokenizer_file,
@@ -148,8 +148,7 @@ class Engine:
         # the cache size is checked against this machine's memory before anything loads
         config.group_blocks(artifact, memory_limit=validate.physical_memory())
         path = artifact.path
-        has_tokenizer = any((path / f).is_file() for f in TOKENIZER_FILES)
-        self.tokenizer = load_tokenizer(path) if has_tokenizer else None
+        self.tokenizer = load_tokenizer(path) if has_tokenizer(path) else None
         self.eos_token_ids = stop_token_ids(path, self.tokenizer)
         #: the model's position limit (None: unknown)
         self.max_model_len = position_limit(artifact, self.tokenizer)

@@ -1,6 +1,7 @@
 """Text side of serving: tokenizer, chat template, stop ids, UTF-8-safe streaming.
 
-Everything read from an artifact directory is checked as it is read: a damaged tokenizer,
+Everything read from an artifact directory is checked as it is read: every file is a regular
+file inside the artifact (``contract.files.read_artifact_file``), a damaged tokenizer,
 tokenizer config or generation config is one ``TQExportError`` naming the file, and a chat
 template (code from the model's author) renders in a Jinja sandbox with a time limit
 (:data:`TEMPLATE_SECONDS`) and an output-size limit (:data:`TEMPLATE_MAX_CHARS`).
@@ -9,11 +10,21 @@ template (code from the model's author) renders in a Jinja sandbox with a time l
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from tqexport.contract.files import (
+    CHAT_TEMPLATE_DIR,
+    CHAT_TEMPLATE_FILES,
+    GENERATION_CONFIG_FILE,
+    TOKENIZER_SET,
+    artifact_file,
+    read_artifact_file,
+)
 from tqexport.errors import TQExportError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -23,7 +34,6 @@ JSON_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "added_tokens.json",
-    "generation_config.json",
 )
 #: wall time one chat-template render may take
 TEMPLATE_SECONDS = 5.0
@@ -38,21 +48,31 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def read_json_file(path: Path) -> dict:
-    """A JSON object from ``path``, or one error naming the file."""
+def _json_object(path: Path, raw: bytes) -> dict:
+    """The JSON object ``raw`` (the bytes of ``path``), or one error naming the file."""
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise TQExportError(f"{path} is not UTF-8 text; rebuild the artifact") from None
     except ValueError as e:  # JSONDecodeError
         raise TQExportError(f"{path} is not valid JSON ({e}); rebuild the artifact") from None
     except RecursionError:
         raise TQExportError(f"{path} nests too deeply to be a tokenizer file") from None
-    except OSError as e:
-        raise TQExportError(f"cannot read {path}: {e.strerror or e}") from None
     if not isinstance(data, dict):
         raise TQExportError(f"{path} must hold a JSON object, not {type(data).__name__}")
     return data
+
+
+def read_json_file(artifact_dir: Path, name: str) -> dict | None:
+    """The JSON object in the artifact's file ``name`` (None when absent), or one error naming
+    the file."""
+    raw = read_artifact_file(artifact_dir, name)
+    return None if raw is None else _json_object(Path(artifact_dir) / name, raw)
+
+
+def has_tokenizer(artifact_dir: Path) -> bool:
+    """Whether the artifact carries a tokenizer (tokenizer.json or tokenizer_config.json)."""
+    return any(artifact_file(artifact_dir, f) is not None for f in TOKENIZER_FILES)
 
 
 def tokenizer_file(artifact_dir: Path) -> Path:
@@ -65,35 +85,70 @@ def tokenizer_file(artifact_dir: Path) -> Path:
 
 def chat_template_file(artifact_dir: Path) -> Path:
     """Where the artifact keeps its chat template (transformers 5 writes chat_template.jinja)."""
-    for name in ("chat_template.jinja", "chat_template.json"):
+    for name in CHAT_TEMPLATE_FILES:
         if (artifact_dir / name).is_file():
             return artifact_dir / name
     return artifact_dir / "tokenizer_config.json"
 
 
+def _tokenizer_set(artifact_dir: Path) -> dict[str, bytes]:
+    """Name -> bytes of every file of the tokenizer file set the artifact carries
+    (``contract.files.TOKENIZER_SET`` and the ``*.jinja`` files of its extra chat templates),
+    each read as a regular file inside the artifact."""
+    files = {}
+    for name in TOKENIZER_SET:
+        data = read_artifact_file(artifact_dir, name)
+        if data is not None:
+            files[name] = data
+    extra = Path(artifact_dir) / CHAT_TEMPLATE_DIR
+    try:
+        entries = sorted(os.listdir(extra)) if extra.is_dir() else []
+    except OSError as e:
+        raise TQExportError(f"cannot read {extra} ({e.strerror})") from None
+    for entry in entries:
+        if entry.endswith(".jinja"):
+            name = f"{CHAT_TEMPLATE_DIR}/{entry}"
+            data = read_artifact_file(artifact_dir, name)
+            if data is not None:
+                files[name] = data
+    return files
+
+
 def load_tokenizer(artifact_dir: Path):
-    if not any((artifact_dir / f).is_file() for f in TOKENIZER_FILES):
+    """The artifact's tokenizer. transformers opens files by itself from a directory, so it is
+    handed a private copy of the tokenizer file set, read and checked here: it never sees a
+    link, a FIFO or any other file of the artifact."""
+    files = _tokenizer_set(artifact_dir)
+    if not any(f in files for f in TOKENIZER_FILES):
         raise TQExportError(
             f"{artifact_dir} has no tokenizer (built from a model without one, e.g. a tiny "
             "random built-in); serve it through the Python API with token ids"
         )
     for name in JSON_FILES:
-        if (artifact_dir / name).is_file():
-            read_json_file(artifact_dir / name)
-    jinja = artifact_dir / "chat_template.jinja"
-    if jinja.is_file():
-        try:
-            jinja.read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            raise TQExportError(f"{jinja} is not UTF-8 text; rebuild the artifact") from None
+        if name in files:
+            _json_object(artifact_dir / name, files[name])
+    read_json_file(artifact_dir, GENERATION_CONFIG_FILE)
+    for name, data in files.items():
+        if name.endswith(".jinja"):
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError:
+                raise TQExportError(
+                    f"{artifact_dir / name} is not UTF-8 text; rebuild the artifact"
+                ) from None
     from transformers import AutoTokenizer
 
-    try:
-        tok = AutoTokenizer.from_pretrained(artifact_dir)
-    except Exception as e:  # tokenizers, transformers and json raise many kinds
-        raise TQExportError(
-            f"cannot load the tokenizer {tokenizer_file(artifact_dir)}: {_first_line(e)}"
-        ) from None
+    with tempfile.TemporaryDirectory(prefix="tqexport-tokenizer-") as tmp:
+        for name, data in files.items():
+            (Path(tmp) / name).parent.mkdir(exist_ok=True)
+            (Path(tmp) / name).write_bytes(data)
+        try:
+            tok = AutoTokenizer.from_pretrained(tmp)
+        except Exception as e:  # tokenizers, transformers and json raise many kinds
+            why = _first_line(e).replace(tmp, str(artifact_dir))
+            raise TQExportError(
+                f"cannot load the tokenizer {tokenizer_file(artifact_dir)}: {why}"
+            ) from None
     return tok
 
 
@@ -364,9 +419,10 @@ def _encode(tokenizer, text: str, where: Path | None, **kw) -> list[int]:
 def stop_token_ids(artifact_dir: Path, tokenizer) -> tuple[int, ...]:
     """Every eos id of the generation config (Llama-3 has three) and the tokenizer's."""
     ids: set[int] = set()
-    cfg = artifact_dir / "generation_config.json"
-    if cfg.is_file():
-        eos = read_json_file(cfg).get("eos_token_id")
+    cfg = artifact_dir / GENERATION_CONFIG_FILE
+    data = read_json_file(artifact_dir, GENERATION_CONFIG_FILE)
+    if data is not None:
+        eos = data.get("eos_token_id")
         eos = [eos] if not isinstance(eos, list) else eos
         for t in eos:
             if t is None:

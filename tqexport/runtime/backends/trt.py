@@ -13,7 +13,7 @@ import torch
 
 from tqexport.contract.artifact import Artifact
 from tqexport.contract.caches import allocate_caches, cache_output_name
-from tqexport.contract.files import ENGINE_FILE, PROFILE_FILE
+from tqexport.contract.files import ENGINE_FILE, PROFILE_FILE, artifact_file, read_artifact_file
 from tqexport.errors import TQExportError
 from trt_plugins.toolchain import require_gpu, require_tensorrt
 
@@ -31,12 +31,19 @@ class TrtBackend:
 
     def __init__(self, artifact: Artifact, num_blocks: int | list[int]):
         """``num_blocks``: per cache group, or one count for all."""
-        plan = artifact.path / ENGINE_FILE
-        if not plan.is_file():
+        plan = artifact_file(artifact.path, ENGINE_FILE)
+        raw_limits = read_artifact_file(artifact.path, PROFILE_FILE)
+        for name, found in ((ENGINE_FILE, plan), (PROFILE_FILE, raw_limits)):
+            if found is None:
+                raise TQExportError(f"{artifact.path} has no {name}; run `tqexport engine` first")
+        try:
+            limits = json.loads(raw_limits)
+            int(limits["max_blocks"])
+        except (ValueError, TypeError, KeyError):
             raise TQExportError(
-                f"{artifact.path} has no {ENGINE_FILE}; run `tqexport engine` first"
-            )
-        limits = json.loads((artifact.path / PROFILE_FILE).read_text())
+                f"{artifact.path / PROFILE_FILE} is not an engine's limits; run `tqexport engine` "
+                "again"
+            ) from None
         if max(num_blocks if isinstance(num_blocks, list) else [num_blocks]) > limits["max_blocks"]:
             raise TQExportError(
                 f"{num_blocks} cache blocks exceed the engine's --max-blocks "
@@ -49,7 +56,7 @@ class TrtBackend:
         self.spec = artifact.spec
         self.limits = limits
         self.engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(
-            plan.read_bytes()
+            read_artifact_file(artifact.path, ENGINE_FILE)
         )
         if self.engine is None:
             raise TQExportError(f"TensorRT could not load {plan} (built by another version?)")
