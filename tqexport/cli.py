@@ -510,7 +510,8 @@ def run(
         err.print(
             f"{summary['requests']} requests, {summary['generated_tokens']} tokens in "
             f"{summary['seconds']:.2f} s "
-            f"({summary['tokens_per_second']} tokens/s, {backend}); peak KV "
+            f"({summary['tokens_per_second']} tokens/s, {backend}: {engine.executor.kernels}); "
+            f"peak KV "
             f"{fmt_bytes(summary['peak_kv_bytes'])} (bf16: "
             f"{fmt_bytes(summary['peak_kv_bytes_bf16_equivalent'])})",
         )
