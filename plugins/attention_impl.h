@@ -211,8 +211,9 @@ void paged_attention(const AttentionStep& s, ParallelFor&& parallel_for) {
   for (int64_t q = 0; q < s.num_seqs; ++q) {
     const int64_t q0 = s.query_start[q], q1 = s.query_start[q + 1];
     if (q1 <= q0) continue;
-    const int64_t keys = std::min(s.seq_lens[q], *std::max_element(s.positions + q0,
-                                                                   s.positions + q1) + 1);
+    // keys the sequence's last query may see (no overflow at the largest position)
+    const int64_t keys =
+        std::min(s.seq_lens[q] - 1, *std::max_element(s.positions + q0, s.positions + q1)) + 1;
     int splits = 1;
     if (longest == 1 && keys > kSplitKeys)
       splits = static_cast<int>(std::min<int64_t>(kMaxSplits, (keys + kSplitKeys - 1) / kSplitKeys));
