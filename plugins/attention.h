@@ -99,8 +99,9 @@ void paged_attention(const AttentionStep& s, RunItem run_item, ParallelFor&& par
   for (int64_t q = 0; q < s.num_seqs; ++q) {
     const int64_t q0 = s.query_start[q], q1 = s.query_start[q + 1];
     if (q1 <= q0) continue;
+    // keys the sequence's last query may see (no overflow at the largest position)
     const int64_t last = *std::max_element(s.positions + q0, s.positions + q1);
-    const int64_t keys = std::max<int64_t>(0, std::min(s.seq_lens[q], last + 1));
+    const int64_t keys = std::max<int64_t>(0, std::min(s.seq_lens[q] - 1, last) + 1);
     int splits = 1;
     if (longest == 1 && keys > kSplitKeys)
       splits = static_cast<int>(std::min<int64_t>(kMaxSplits, (keys + kSplitKeys - 1) / kSplitKeys));

@@ -145,6 +145,16 @@ Tensor input(OrtKernelContext* ctx, size_t i) {
   return t;
 }
 
+// Output i allocated with `shape` (or bound there by the caller); its data.
+void* output(OrtKernelContext* ctx, size_t i, const std::vector<int64_t>& shape) {
+  OrtValue* o = nullptr;
+  check(g_api->KernelContext_GetOutput(ctx, i, shape.data(), shape.size(), &o));
+  if (!o) throw Error{"output " + std::to_string(i) + " is missing"};
+  void* p = nullptr;
+  check(g_api->GetTensorMutableData(o, &p));
+  return p;
+}
+
 std::string shape_str(const std::vector<int64_t>& s) {
   std::ostringstream o;
   o << "[";
@@ -153,11 +163,26 @@ std::string shape_str(const std::vector<int64_t>& s) {
   return o.str();
 }
 
+std::string type_name(ONNXTensorElementDataType t) {
+  switch (t) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return "float32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return "float16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return "bfloat16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE: return "float64";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: return "uint8";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8: return "int8";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: return "int32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64: return "int64";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL: return "bool";
+    default: return "ONNX type " + std::to_string(t);
+  }
+}
+
 void expect(const Tensor& t, const char* name, ONNXTensorElementDataType type,
             const std::vector<int64_t>& shape) {
   if (t.type != type)
-    throw Error{std::string(name) + " has element type " + std::to_string(t.type) +
-                ", expected " + std::to_string(type)};
+    throw Error{std::string(name) + " has element type " + type_name(t.type) + ", expected " +
+                type_name(type)};
   bool ok = t.shape.size() == shape.size();
   for (size_t i = 0; ok && i < shape.size(); ++i) ok = shape[i] < 0 || shape[i] == t.shape[i];
   if (!ok) throw Error{std::string(name) + " has shape " + shape_str(t.shape) + ", expected " +
@@ -257,13 +282,14 @@ struct CacheWriteKernel {
         throw Error{"slot_mapping[" + std::to_string(t) + "] = " + std::to_string(slot[t]) +
                     " is outside the cache (" + std::to_string(blocks) + " blocks of " +
                     std::to_string(a.block_size) + ")"};
+    size_t outputs = 0;
+    check(g_api->KernelContext_GetOutputCount(ctx, &outputs));
+    if (outputs != n)
+      throw Error{"expected " + std::to_string(n) + " outputs (the cache tensors of " +
+                  a.kv_cache_dtype + "), got " + std::to_string(outputs)};
     std::vector<uint8_t*> out(n);
     for (size_t i = 0; i < n; ++i) {
-      OrtValue* o = nullptr;
-      check(g_api->KernelContext_GetOutput(ctx, i, caches[i].shape.data(), caches[i].shape.size(),
-                                           &o));
-      void* p = nullptr;
-      check(g_api->GetTensorMutableData(o, &p));
+      void* p = output(ctx, i, caches[i].shape);
       out[i] = static_cast<uint8_t*>(p);
       if (p != caches[i].data)  // not bound in place: the output starts as a copy
         std::memcpy(p, caches[i].data, caches[i].numel() * elem_size(f.tensors[i].elem));
@@ -341,6 +367,11 @@ struct PagedAttentionKernel {
     check_table(tables, "block_tables", seqs, blocks);
     expect(starts, "query_start_loc", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, {seqs + 1});
     expect(positions, "positions", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, {tokens});
+    const int64_t* position = static_cast<const int64_t*>(positions.data);
+    for (int64_t t = 0; t < tokens; ++t)  // (window arithmetic is then free of overflow)
+      if (position[t] < 0)
+        throw Error{"positions[" + std::to_string(t) + "] = " + std::to_string(position[t]) +
+                    " is negative"};
     std::vector<int64_t> seq_lens = widen<int32_t>(lens), query_start = widen<int32_t>(starts);
     const int64_t width = tables.shape[1];
     for (int64_t i = 0; i < seqs; ++i) {
@@ -369,10 +400,7 @@ struct PagedAttentionKernel {
       s.recent.width = rt.shape[1];
     }
     std::vector<int64_t> dims{tokens, num_heads, a.head_size};
-    OrtValue* o = nullptr;
-    check(g_api->KernelContext_GetOutput(ctx, 0, dims.data(), dims.size(), &o));
-    void* out_data = nullptr;
-    check(g_api->GetTensorMutableData(o, &out_data));
+    void* out_data = output(ctx, 0, dims);
     const int64_t numel = tokens * num_heads * a.head_size;
     std::vector<float> qf, of;
     if (a.model == Elem::F32) {
@@ -396,7 +424,7 @@ struct PagedAttentionKernel {
     s.sink_tokens = sink_tokens;
     s.seq_lens = seq_lens.data();
     s.query_start = query_start.data();
-    s.positions = static_cast<const int64_t*>(positions.data);
+    s.positions = position;
     s.num_seqs = seqs;
     s.num_tokens = tokens;
     static const RunItem kernel = best_kernel();

@@ -1,5 +1,6 @@
-"""Shared test helpers: model descriptions built in tests (no config files, no weights), and
-paged prefills compared by the product's parity rule."""
+"""Shared test helpers: model descriptions built in tests (no config files, no weights),
+single-node ONNX models of one tqexport op, and paged prefills compared by the product's
+parity rule."""
 
 from dataclasses import dataclass
 
@@ -10,7 +11,8 @@ from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
 from tqexport.kvquant.modes import kv_cache_dtype_names
 from tqexport.kvquant.turboquant import vllm_twin
 from tqexport.models.paged import PagedCausalLM
-from tqexport.resolve import AttentionLayer, ModelDescription
+from tqexport.ops.attributes import DOMAIN
+from tqexport.resolve import AttentionLayer, ModelDescription, resolve
 from tqexport.verify.parity import compare_write
 
 #: what the heavy per-dtype matrices run: every name but bfloat16 (ONNX Runtime's CPU provider
@@ -42,6 +44,66 @@ def dense(n, **kw):
 def gemma_like(n=6, window=8, **kw):
     """Alternating sliding (even layers) and full (odd layers) attention, like Gemma-2."""
     return describe([window if i % 2 == 0 else None for i in range(n)], **kw)
+
+
+OPSET = 21
+ONNX_TYPES = {"float32": 1, "uint8": 2, "float16": 10, "int64": 7, "int32": 6}
+
+
+def layer_for(dtype, window=None, heads=2, d=64):
+    """Layer 0 of a one-layer float32 model with a ``dtype`` cache (block size 4)."""
+    desc = describe([window], head_size=d, kv_heads=heads, dtype="float32")
+    return resolve(
+        desc, dtype, boundary=False, block_size=4, kv_scales={0: (0.5, 2.0)}
+    ).spec.layers[0]
+
+
+def single_node_model(op, attrs, inputs, out_types, *, bodies=True, library=None, options=None):
+    """An ONNX Runtime session over one tqexport node fed ``inputs`` (graph inputs ``in0``...,
+    outputs ``out0``... of ``out_types`` (element type name, rank)): the node's function body
+    in the model (``bodies``) and/or the native kernel ``library`` registered (without the
+    bodies ORT knows the op from the library only, and the model exports in no time).
+    ``options``: the SessionOptions to start from."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper
+
+    from tqexport.export.functions import function_for
+
+    functions = []
+    if bodies:
+        fn, extra = function_for(op, attrs, OPSET)
+        functions = [fn, *extra]
+    names_in = [f"in{i}" for i in range(len(inputs))]
+    names_out = [f"out{i}" for i in range(len(out_types))]
+    node = helper.make_node(
+        op, names_in, names_out, domain=DOMAIN, overload=attrs.get("variant", "")
+    )
+    node.attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
+    g = helper.make_graph(
+        [node],
+        "g",
+        [
+            helper.make_tensor_value_info(n, ONNX_TYPES[str(x.dtype)[6:]], [None] * x.dim())
+            for n, x in zip(names_in, inputs)
+        ],
+        [
+            helper.make_tensor_value_info(n, ONNX_TYPES[t], [None] * r)
+            for n, (t, r) in zip(names_out, out_types)
+        ],
+    )
+    m = helper.make_model(
+        g,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
+        functions=functions,
+        ir_version=10,
+    )
+    if bodies:
+        onnx.checker.check_model(m)
+    opts = options or ort.SessionOptions()
+    if library is not None:
+        opts.register_custom_ops_library(str(library))
+    return ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
 @dataclass

@@ -1,57 +1,15 @@
 """ONNX function bodies (exported from the reference ops) against the reference, on ORT CPU."""
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 import pytest
 import torch
-from helpers import MATRIX_DTYPES, describe
-from onnx import helper
+from helpers import MATRIX_DTYPES, OPSET, layer_for, single_node_model
 
 from tqexport.export.functions import function_for
 from tqexport.kvquant.codecs import torch_dtype
 from tqexport.ops import reference
-from tqexport.ops.attributes import CACHE_WRITE, DOMAIN, PAGED_ATTENTION, node_attrs
+from tqexport.ops.attributes import CACHE_WRITE, PAGED_ATTENTION, node_attrs
 from tqexport.ops.library import codec_for
-from tqexport.resolve import resolve
-
-OPSET = 21
-ONNX_TYPES = {"float32": 1, "uint8": 2, "float16": 10, "int64": 7, "int32": 6}
-
-
-def single_node_model(op, attrs, inputs, out_types):
-    fn, extra = function_for(op, attrs, OPSET)
-    names_in = [f"in{i}" for i in range(len(inputs))]
-    names_out = [f"out{i}" for i in range(len(out_types))]
-    node = helper.make_node(op, names_in, names_out, domain=DOMAIN, overload=attrs["variant"])
-    node.attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
-    g = helper.make_graph(
-        [node],
-        "g",
-        [
-            helper.make_tensor_value_info(n, ONNX_TYPES[str(x.dtype)[6:]], [None] * x.dim())
-            for n, x in zip(names_in, inputs)
-        ],
-        [
-            helper.make_tensor_value_info(n, ONNX_TYPES[t], [None] * r)
-            for n, (t, r) in zip(names_out, out_types)
-        ],
-    )
-    m = helper.make_model(
-        g,
-        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
-        functions=[fn, *extra],
-        ir_version=10,
-    )
-    onnx.checker.check_model(m)
-    return ort.InferenceSession(m.SerializeToString())
-
-
-def layer_for(dtype, window=None, heads=2, d=64):
-    desc = describe([window], head_size=d, kv_heads=heads, dtype="float32")
-    return resolve(
-        desc, dtype, boundary=False, block_size=4, kv_scales={0: (0.5, 2.0)}
-    ).spec.layers[0]
 
 
 @pytest.mark.parametrize("dtype", MATRIX_DTYPES)
