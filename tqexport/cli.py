@@ -518,9 +518,17 @@ def serve(
         typer.Option(
             envvar="TQEXPORT_API_KEY",
             show_envvar=False,
-            help="Require 'Authorization: Bearer KEY' on /v1 (or set TQEXPORT_API_KEY).",
+            help="Require 'Authorization: Bearer KEY' on every route but /health (or set "
+            "TQEXPORT_API_KEY).",
         ),
     ] = None,
+    metrics_public: Annotated[
+        bool,
+        typer.Option(
+            "--metrics-public",
+            help="With --api-key: leave /metrics open (a Prometheus scraper without the key).",
+        ),
+    ] = False,
     backend: EngineOptions[0] = _ENGINE.backend,
     num_blocks: MemoryOptions[0] = _ENGINE.num_blocks,
     kv_cache_memory: MemoryOptions[1] = _ENGINE.kv_cache_memory,
@@ -551,6 +559,11 @@ def serve(
 
     if api_key is None and os.environ.get("TQEXPORT_API_KEY") == "":
         raise TQExportError("TQEXPORT_API_KEY is set but empty; give a key or unset it")
+    if metrics_public and api_key is None:
+        raise TQExportError(
+            "--metrics-public needs --api-key (or TQEXPORT_API_KEY): without a key every route "
+            "is open already"
+        )
     validate.integer(port, "--port", 0, 65535)
     validate.number(grace_seconds, "--grace-seconds", 0.0)
     validate.integer(replicas, "--replicas", 1, 1024)
@@ -568,11 +581,12 @@ def serve(
         open_artifact(artifact)  # a bad artifact fails here, not in every replica
         name = served_model_name or str(artifact)
         serve_on_ray(artifact, config, host, port, name, api_key, replicas, ray_address,
-                     replica_cpus, grace_seconds)  # fmt: skip
+                     replica_cpus, grace_seconds, metrics_public)  # fmt: skip
         return
     from tqexport.serve.runner import serve as run_server
 
-    run_server(artifact, config, host, port, served_model_name, api_key, grace_seconds)
+    run_server(artifact, config, host, port, served_model_name, api_key, grace_seconds,
+               metrics_public=metrics_public)  # fmt: skip
 
 
 app.add_typer(bench_app, name="bench")
