@@ -41,6 +41,11 @@ class EngineConfig:
             parse_memory(self.kv_cache_memory)
         if self.threads is not None:
             validate.integer(self.threads, "--threads", 1)
+            if self.backend != "ort":
+                raise TQExportError(
+                    f"--threads sets ONNX Runtime's threads and has no effect with --backend "
+                    f"{self.backend}; drop it"
+                )
         if not isinstance(self.chat_template, bool):
             raise TQExportError(f"chat_template must be True or False, got {self.chat_template!r}")
 
