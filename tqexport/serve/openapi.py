@@ -21,7 +21,7 @@ STATUS = {
     400: "Bad parameters, malformed JSON, or a prompt that cannot fit.",
     401: "A missing or wrong API key (send 'Authorization: Bearer KEY').",
     404: "An unknown model.",
-    413: "A request body over the server's limit (8 MiB).",
+    413: "A request body over the server's limit (8 MiB by default).",
     415: "A request body that is not 'Content-Type: application/json'.",
     500: "An unexpected server error (logged on the server).",
     503: "The engine failed, or the server is shutting down.",

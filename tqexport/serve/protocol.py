@@ -62,7 +62,7 @@ def _same(value: Any, off: Any) -> bool:
 # What the hand-checked (``Any``) fields accept, for the OpenAPI description (/openapi.json)
 _TEXT = {"type": "string", "minLength": 1}
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-_ONE_OF_EACH = {"anyOf": [_TEXT, _TOKEN_IDS]}
+_ONE_PROMPT = {"anyOf": [_TEXT, _TOKEN_IDS]}
 Prompt = Annotated[
     Any,
     WithJsonSchema(
@@ -70,7 +70,7 @@ Prompt = Annotated[
             "anyOf": [
                 _TEXT,
                 _TOKEN_IDS,
-                {"type": "array", "items": _ONE_OF_EACH, "minItems": 1, "maxItems": 1},
+                {"type": "array", "items": _ONE_PROMPT, "minItems": 1, "maxItems": 1},
             ],
             "description": "One prompt: text or token ids (or a list holding one of them).",
         }
