@@ -14,12 +14,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-$(mktemp -d)}
 status=0
 n=0
-for case in "auto:" "fp8:" "turboquant_4bit_nc:--skip-layers 0" "turboquant_k8v4:" \
-            "turboquant_4bit_nc:--kv-recent-window 8"; do
+for case in "auto:" "fp8:" "turboquant_4bit_nc:--no-boundary --skip-layers 0" \
+            "turboquant_k8v4:--no-boundary" "turboquant_4bit_nc:--no-boundary --kv-recent-window 8"; do
   dtype=${case%%:*}; extra=${case#*:}; n=$((n + 1))
   art="$OUT/tiny-llama-$n-$dtype"
   echo "== $dtype $extra: artifact, engine, parity vs ORT, decode tokens/s"
-  timeout 300 "$PY" -m tqexport build tiny-llama -o "$art" --kv-cache-dtype "$dtype" $extra --no-boundary --force || { status=1; continue; }
+  timeout 300 "$PY" -m tqexport build tiny-llama -o "$art" --kv-cache-dtype "$dtype" $extra --force || { status=1; continue; }
   timeout 600 "$PY" -m tqexport engine "$art" --max-batch 4 --max-num-batched-tokens 128 --max-blocks 64 || { status=1; continue; }
   tol=1e-3; [ "$dtype" = auto ] || tol=5e-2
   timeout 300 "$PY" benchmarks/trt_parity.py "$art" --tolerance "$tol" || status=1

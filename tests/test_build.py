@@ -94,8 +94,32 @@ def cli(*args):
             ["build", "tiny-llama", "-o", "{out}", "--kv-cache-dtype", "fp9"],
             "unknown kv-cache dtype",
         ),
-        (["build", "tiny-llama", "-o", "{out}", "--skip-layers", "3-x"], "malformed pattern"),
-        (["build", "tiny-llama", "-o", "{out}", "--skip-layers", "99"], "outside the model"),
+        (
+            [
+                "build",
+                "tiny-llama",
+                "-o",
+                "{out}",
+                "--kv-cache-dtype",
+                "fp8",
+                "--skip-layers",
+                "3-x",
+            ],
+            "malformed pattern",
+        ),
+        (
+            [
+                "build",
+                "tiny-llama",
+                "-o",
+                "{out}",
+                "--kv-cache-dtype",
+                "fp8",
+                "--skip-layers",
+                "99",
+            ],
+            "outside the model",
+        ),
         (
             [
                 "build",

@@ -101,8 +101,14 @@ def test_plan_warns_for_class_pattern_matching_nothing():
     [
         (["plan", "tiny-llama", "--kv-cache-dtype", "fp9"], "unknown kv-cache dtype 'fp9'"),
         (["plan", "tiny-llama", "--kv-cache-dtype", "fp8_inc"], "not supported"),
-        (["plan", "tiny-llama", "--skip-layers", "7"], "outside the model"),
-        (["plan", "tiny-llama", "--skip-layers", "x-y"], "malformed pattern"),
+        (
+            ["plan", "tiny-llama", "--kv-cache-dtype", "fp8", "--skip-layers", "7"],
+            "outside the model",
+        ),
+        (
+            ["plan", "tiny-llama", "--kv-cache-dtype", "fp8", "--skip-layers", "x-y"],
+            "malformed pattern",
+        ),
         (["plan", "no/such/dir"], "not found"),
         (
             ["plan", "tiny-llama-d80", "--kv-cache-dtype", "turboquant_4bit_nc", "--no-boundary"],
@@ -154,7 +160,7 @@ def test_markup_and_emoji_codes_in_user_text_print_literally():
     r = run("plan", "[/x]")
     assert r.returncode == 2
     assert "'[/x]' not found" in one_error_line(r.stderr, "not found")
-    r = run("plan", "tiny-llama", "--skip-layers", "boundary:100")
+    r = run("plan", "tiny-llama", "--kv-cache-dtype", "fp8", "--skip-layers", "boundary:100")
     assert r.returncode == 2
     line = one_error_line(r.stderr, "boundary:100:")
     assert "\N{HUNDRED POINTS SYMBOL}" not in line
@@ -182,8 +188,10 @@ def test_help_exits_0_and_no_args_shows_help():
     assert r.returncode == 0 and "plan" in r.stdout and r.stderr == ""
     r = run("run", "--help")
     assert r.returncode == 0 and "--max-tokens" in r.stdout
-    r = run()
-    assert r.returncode == 2 and "Usage" in r.stdout and "Traceback" not in r.stderr
+    for bare in ((), ("bench",)):  # no arguments: the help, as --help gives it
+        r = run(*bare)
+        assert (r.returncode, r.stderr) == (0, ""), r.stderr
+        assert r.stdout.strip() == run(*bare, "--help").stdout.strip() and "Usage" in r.stdout
 
 
 def test_typer_exit_code_passes_through(monkeypatch, capsys):
@@ -265,6 +273,167 @@ def test_every_argument_is_validated_before_any_work(capsys, args, message):
     line = one_error_line(err, message)
     assert "not found" not in line  # refused before the artifact or model was looked at
     assert out == ""
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["plan", "tiny-llama", "--json", "--vllm-args"],
+         "--json and --vllm-args each choose what is printed; give one"),
+        (["plan", "tiny-llama", "--no-boundary"],
+         "--no-boundary has no effect: --kv-cache-dtype auto is not TurboQuant; drop it"),
+        (["build", "tiny-llama", "-o", NOWHERE, "--kv-cache-dtype", "fp8", "--boundary"],
+         "--boundary has no effect: --kv-cache-dtype fp8 is not TurboQuant; drop it"),
+        (["plan", "tiny-llama", "--skip-layers", "0"],
+         "--skip-layers has no effect with --kv-cache-dtype auto (no layer is quantized); give a "
+         "quantized dtype or drop it"),
+        (["plan", "tiny-llama", "--kv-recent-window", "8"],
+         "--kv-recent-window 8 has no effect: --kv-cache-dtype auto is not quantized; drop it"),
+        (["build", "tiny-llama", "-o", NOWHERE, "--kv-cache-dtype", "turboquant_4bit_nc",
+          "--kv-scales", "calibrate"],
+         "--kv-scales calibrate has no effect: --kv-cache-dtype turboquant_4bit_nc has no "
+         "per-layer scales (fp8 and nvfp4 have); drop it"),
+        (["run", NOWHERE, "--prompt", "hi", "--top-k", "5"],
+         "--top-k has no effect with --temperature 0 (greedy): give a temperature > 0 to sample, "
+         "or drop it"),
+        (["run", NOWHERE, "--prompt", "hi", "--top-p", "0.5", "--temperature", "0"],
+         "--top-p has no effect with --temperature 0 (greedy): give a temperature > 0 to sample, "
+         "or drop it"),
+        (["run", NOWHERE, "--prompt", "hi", "--seed", "0"],
+         "--seed has no effect with --temperature 0 (greedy): give a temperature > 0 to sample, "
+         "or drop it"),
+        (["run", NOWHERE, "--prompt", "hi", "--backend", "torch", "--threads", "2"],
+         "--threads sets ONNX Runtime's threads and has no effect with --backend torch; drop it"),
+        (["serve", NOWHERE, "--replica-cpus", "2"],
+         "--replica-cpus needs --ray (it sets up Ray Serve); add --ray or drop --replica-cpus"),
+        (["serve", NOWHERE, "--replicas", "1"],
+         "--replicas needs --ray (it sets up Ray Serve); add --ray or drop --replicas"),
+        (["serve", NOWHERE, "--metrics-public"],
+         "--metrics-public needs --api-key (or TQEXPORT_API_KEY): without a key every route is "
+         "open already"),
+        (["bench", "quality", "tiny-llama", "--kv-cache-dtype", "fp8", "--boundary", "off"],
+         "--boundary off has no effect: --kv-cache-dtype fp8 has no TurboQuant dtype; drop it"),
+        (["bench", "quality", "tiny-llama", "--kv-cache-dtype", "tqx_k4v4", "--kv-scales", "2"],
+         "--kv-scales 2 has no effect: --kv-cache-dtype tqx_k4v4 has no fp8/nvfp4 dtype; drop it"),
+        (["bench", "quality", "tiny-llama", "--kv-cache-dtype", "fp8,turboquant_4bit_nc",
+          "--kv-key-transform", "center"],
+         "--kv-key-transform center has no effect: --kv-cache-dtype fp8,turboquant_4bit_nc has "
+         "no tqexport-native TurboQuant dtype (tqx_*); drop it"),
+        (["bench", "quality", "tiny-llama", "--kv-cache-dtype", "auto", "--recent-window", "32"],
+         "--recent-window 32 has no effect: --kv-cache-dtype auto has no quantized dtype; drop it"),
+        (["bench", "report", "tiny-llama", "-o", NOWHERE, "--quality-json", NOWHERE, "--chunks",
+          "2"],
+         "--chunks has no effect with --quality-json (its quality runs are reused as they are); "
+         "drop one"),
+    ],
+)  # fmt: skip
+def test_conflicting_or_ignored_options_are_one_error_naming_both(capsys, monkeypatch, tmp_path,
+                                                                  args, message):  # fmt: skip
+    monkeypatch.delenv("TQEXPORT_API_KEY", raising=False)
+    monkeypatch.chdir(tmp_path)  # whatever a wrong answer would write or serve, it is not here
+    code, out, err = main_inproc(capsys, *args)
+    assert (code, out, err) == (2, "", f"error: {message}\n")
+
+
+def test_options_an_artifact_target_ignores_are_refused(artifacts, capsys, monkeypatch, tmp_path):
+    art = artifacts("tiny-llama", "fp8")  # no recent-window caches
+    monkeypatch.chdir(tmp_path)  # bench speed's default --workdir is relative
+    for args, message in [
+        (["bench", "speed", art, "--kv-cache-dtype", "fp8"],
+         f"--kv-cache-dtype has no effect when TARGET is an artifact ({art}, compared with auto "
+         "as built); drop it, or give a model to build per dtype"),
+        (["bench", "speed", art, "--recent-window", "32"],
+         f"--recent-window has no effect when TARGET is an artifact ({art}, compared with auto "
+         "as built); drop it, or give a model to build per dtype"),
+        (["inspect", art, "--max-num-seqs", "8"],
+         f"--max-num-seqs has no effect: {art} has no recent-window caches for it to size; "
+         "drop it"),
+    ]:  # fmt: skip
+        code, out, err = main_inproc(capsys, *args)
+        assert (code, out, err) == (2, "", f"error: {message}\n")
+
+
+EMPTY = "is empty; give a value or leave it out"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["plan", "tiny-llama", "--dtype", ""], f"--dtype {EMPTY}"),
+        (["plan", "tiny-llama", "--skip-layers", ""], f"--skip-layers {EMPTY}"),
+        (["serve", NOWHERE, "--served-model-name", ""], f"--served-model-name {EMPTY}"),
+        (["serve", NOWHERE, "--host", ""], f"--host {EMPTY}"),
+        (["build", "tiny-llama", "-o", ""], "--out is empty; give a value"),
+        (["run", "", "--prompt", "hi"], "ARTIFACT is empty; give a value"),
+        (["bench", "speed", "tiny-llama", "--workdir", ""], f"--workdir {EMPTY}"),
+        (["bench", "quality", "tiny-llama", "--kv-cache-dtype", "fp8", "--kv-cache-dtype", ""],
+         f"--kv-cache-dtype {EMPTY}"),
+        (["bench", "speed", "tiny-llama", "--contexts", "1,,2"],
+         "--contexts '1,,2' has an empty value; separate the values by single commas"),
+        (["bench", "speed", "tiny-llama", "--batches", "1,"],
+         "--batches '1,' has an empty value; separate the values by single commas"),
+        (["bench", "quality", "tiny-llama", "--kv-cache-dtype", "fp8,,fp9"],
+         "--kv-cache-dtype 'fp8,,fp9' has an empty value; separate the values by single commas"),
+        (["bench", "quality", "tiny-llama", "--skip-layers", "0, ,1"],
+         "--skip-layers '0, ,1' has an empty value; separate the values by single commas"),
+    ],
+)  # fmt: skip
+def test_empty_values_and_list_elements_are_refused(capsys, monkeypatch, tmp_path, args,
+                                                    message):  # fmt: skip
+    monkeypatch.chdir(tmp_path)  # '' read as '.' would build here
+    code, out, err = main_inproc(capsys, *args)
+    assert (code, out, err) == (2, "", f"error: {message}\n")
+
+
+def test_every_command_refuses_empty_values():
+    import typer.main
+
+    from tqexport.cli import app
+    from tqexport.options import Command
+
+    def commands(cmd):
+        subs = getattr(cmd, "commands", None)
+        return [c for s in subs.values() for c in commands(s)] if subs else [cmd]
+
+    found = commands(typer.main.get_command(app))
+    assert len(found) == 11 and all(isinstance(c, Command) for c in found), found
+
+
+def combined(*args):
+    """``tqexport ARGS`` in a subprocess, stdout and stderr as one stream: (code, lines)."""
+    r = subprocess.run([sys.executable, "-m", "tqexport", *args], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=600)  # fmt: skip
+    return r.returncode, r.stdout.splitlines()
+
+
+def test_no_progress_line_before_an_error():
+    code, lines = combined("bench", "quality", "no/such/model", "--no-peer", "--chunks", "1")
+    assert code == 2 and lines[0].startswith("error: model 'no/such/model' not found"), lines
+
+
+FAIL_TO_SAVE = """
+import errno, sys
+import tqexport.export.artifact as artifact
+from tqexport.cli import main
+
+def full(*_):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+artifact._save = full
+main(sys.argv[1:])
+"""
+
+
+def test_no_torch_warning_before_an_error(tmp_path):
+    """A build that fails after the export (here: the disk is full) prints its error line
+    first: torch's export warnings ("torchvision is not installed") are silenced."""
+    out = tmp_path / "art"
+    r = subprocess.run([sys.executable, "-c", FAIL_TO_SAVE, "build", "tiny-llama", "-o", str(out),
+                        "--kv-cache-dtype", "fp8"], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 2
+    assert r.stdout == f"error: cannot write the artifact to {out}: No space left on device\n"
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "-1", "0"])

@@ -65,7 +65,8 @@ def test_plan_gives_each_quantized_layer_a_recent_cache_in_its_own_group():
         ModelSpec.from_dict(d)
     with pytest.raises(ResolveError, match="--kv-recent-window must be >= 0"):
         resolve(desc, "fp8", recent_window=-1)
-    assert "no layer gets a recent window" in resolve(desc, "auto", recent_window=8).warnings[0]
+    with pytest.raises(ResolveError, match="--kv-recent-window 8 has no effect: --kv-cache-dtype"):
+        resolve(desc, "auto", recent_window=8)
 
 
 def test_window_covering_the_context_reads_only_full_precision(llama):

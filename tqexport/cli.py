@@ -26,6 +26,7 @@ from tqexport.native import KERNEL_CHOICES
 from tqexport.options import (
     BlockSizeOption,
     BoundaryOption,
+    Command,
     EngineOptions,
     KernelsOption,
     KeyTransformOption,
@@ -34,6 +35,7 @@ from tqexport.options import (
     RecentWindowOption,
     SinkTokensOption,
     SkipOption,
+    given,
 )
 from tqexport.runtime.config import EngineConfig
 from tqexport.validate import DEFAULT_BLOCK_SIZE, printable
@@ -55,7 +57,7 @@ app = typer.Typer(
 _ENGINE = EngineConfig()
 
 
-@app.command()
+@app.command(cls=Command)
 def dtypes(
     head_size: Annotated[int, typer.Option(help="Head size D for the byte columns.")] = 128,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
@@ -94,8 +96,26 @@ def dtypes(
         console.print(printable(note))
 
 
-@app.command()
+def _check_cache_options(ctx: typer.Context, kv_cache_dtype: str) -> None:
+    """plan's and build's options that a kv dtype ignores: --boundary / --no-boundary
+    (TurboQuant only), --skip-layers (auto keeps every layer unquantized already)."""
+    from tqexport.kvquant.modes import parse_kv_cache_dtype
+
+    if given(ctx, "boundary") and not parse_kv_cache_dtype(kv_cache_dtype).is_turboquant:
+        flag = "--boundary" if ctx.params["boundary"] else "--no-boundary"
+        raise TQExportError(
+            f"{flag} has no effect: --kv-cache-dtype {kv_cache_dtype} is not TurboQuant; drop it"
+        )
+    if ctx.params["skip_layers"] and kv_cache_dtype == "auto":
+        raise TQExportError(
+            "--skip-layers has no effect with --kv-cache-dtype auto (no layer is quantized); "
+            "give a quantized dtype or drop it"
+        )
+
+
+@app.command(cls=Command)
 def plan(
+    ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="HF dir, config.json, .gguf, or built-in name.")],
     kv_cache_dtype: KvDtypeOption = "auto",
     skip_layers: SkipOption = None,
@@ -125,9 +145,12 @@ def plan(
     from tqexport.resolve import resolve
     from tqexport.spec import recent_label
 
+    if as_json and vllm_args:
+        raise TQExportError("--json and --vllm-args each choose what is printed; give one")
     validate.block_size(block_size)
     validate.recent_window(recent_window)
     validate.sink_tokens(sink_tokens)
+    _check_cache_options(ctx, kv_cache_dtype)
     kinds = parse_key_transform(key_transform)
     desc = describe_model(model, dtype)
     res = resolve(
@@ -198,8 +221,9 @@ def plan(
         console.print("TurboQuant boundary layers stay unquantized; --no-boundary quantizes them.")
 
 
-@app.command()
+@app.command(cls=Command)
 def build(
+    ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="HF dir, .gguf, or built-in name.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Artifact directory to create.")],
     kv_cache_dtype: KvDtypeOption = "auto",
@@ -231,6 +255,7 @@ def build(
 ):
     """Export MODEL with per-layer KV caches: model.onnx + tqexport.json + tokenizer."""
     from tqexport.export.artifact import BuildOptions, build_artifact, parse_kv_scales
+    from tqexport.kvquant.modes import parse_kv_cache_dtype
     from tqexport.kvquant.transforms import parse_key_transform
 
     if not 21 <= opset <= 23:
@@ -240,6 +265,12 @@ def build(
     validate.sink_tokens(sink_tokens)
     parse_kv_scales(kv_scales)
     parse_key_transform(key_transform)
+    _check_cache_options(ctx, kv_cache_dtype)
+    if given(ctx, "kv_scales") and not parse_kv_cache_dtype(kv_cache_dtype).mode.uses_layer_scales:
+        raise TQExportError(
+            f"--kv-scales {kv_scales} has no effect: --kv-cache-dtype {kv_cache_dtype} has no "
+            "per-layer scales (fp8 and nvfp4 have); drop it"
+        )
     if dtype is not None:
         validate.choice(dtype, "--dtype", ("float32", "float16", "bfloat16"))
     options = BuildOptions(
@@ -304,7 +335,7 @@ def build(
         )
 
 
-@app.command()
+@app.command(cls=Command)
 def parity(
     artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
     steps: Annotated[int, typer.Option(help="Decode steps after the prefill.")] = 4,
@@ -360,8 +391,9 @@ def parity(
 MAX_PARITY_STEPS, MAX_PARITY_PROMPT_LEN, MAX_PARITY_BATCH = 1024, 8192, 64
 
 
-@app.command()
+@app.command(cls=Command)
 def inspect(
+    ctx: typer.Context,
     artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
     num_blocks: MemoryOptions[0] = None,
     kv_cache_memory: MemoryOptions[1] = None,
@@ -385,6 +417,13 @@ def inspect(
     )  # fmt: skip
     art = open_artifact(artifact)
     spec = art.spec
+    if not any(g.recent for g in spec.groups):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if given(ctx, name):
+                raise TQExportError(
+                    f"--{name.replace('_', '-')} has no effect: {artifact} has no recent-window "
+                    "caches for it to size; drop it"
+                )
     plan = allocation(spec, config.group_blocks(art))
     rows, groups, summary = plan["layers"], plan["groups"], plan["summary"]
     kernels = choose_kernels(spec)  # what ONNX Runtime's CPU provider runs each layer on
@@ -439,8 +478,9 @@ def inspect(
     console.print(printable(f"ONNX Runtime (CPU) runs the layers on {kernels.reason}"))
 
 
-@app.command()
+@app.command(cls=Command)
 def run(
+    ctx: typer.Context,
     artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
     prompt: Annotated[
         str | None, typer.Option(help="One prompt; tokens stream as they come.")
@@ -479,6 +519,13 @@ def run(
     validate.sampling(
         max_tokens, temperature, top_k, top_p, seed, cli=True, seed_max=validate.SEED_MAX
     )
+    if temperature == 0:
+        for name in ("top_k", "top_p", "seed"):
+            if given(ctx, name):
+                raise TQExportError(
+                    f"--{name.replace('_', '-')} has no effect with --temperature 0 (greedy): "
+                    "give a temperature > 0 to sample, or drop it"
+                )
     config = EngineConfig(
         backend, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads,
         chat_template, kernels,
@@ -519,8 +566,9 @@ def run(
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(cls=Command)
 def serve(
+    ctx: typer.Context,
     artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
     host: Annotated[
         str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).")
@@ -534,9 +582,17 @@ def serve(
         typer.Option(
             envvar="TQEXPORT_API_KEY",
             show_envvar=False,
-            help="Require 'Authorization: Bearer KEY' on /v1 (or set TQEXPORT_API_KEY).",
+            help="Require 'Authorization: Bearer KEY' on every route but /health (or set "
+            "TQEXPORT_API_KEY).",
         ),
     ] = None,
+    metrics_public: Annotated[
+        bool,
+        typer.Option(
+            "--metrics-public",
+            help="With --api-key: leave /metrics open (a Prometheus scraper without the key).",
+        ),
+    ] = False,
     backend: EngineOptions[0] = _ENGINE.backend,
     num_blocks: MemoryOptions[0] = _ENGINE.num_blocks,
     kv_cache_memory: MemoryOptions[1] = _ENGINE.kv_cache_memory,
@@ -568,12 +624,21 @@ def serve(
 
     if api_key is None and os.environ.get("TQEXPORT_API_KEY") == "":
         raise TQExportError("TQEXPORT_API_KEY is set but empty; give a key or unset it")
+    if metrics_public and api_key is None:
+        raise TQExportError(
+            "--metrics-public needs --api-key (or TQEXPORT_API_KEY): without a key every route "
+            "is open already"
+        )
     validate.integer(port, "--port", 0, 65535)
     validate.number(grace_seconds, "--grace-seconds", 0.0)
     validate.integer(replicas, "--replicas", 1, 1024)
     validate.number(replica_cpus, "--replica-cpus", 0.0)
-    if not ray and (replicas != 1 or ray_address is not None):
-        raise TQExportError("--replicas and --ray-address need --ray")
+    for name in ("replicas", "ray_address", "replica_cpus"):
+        if given(ctx, name) and not ray:
+            flag = "--" + name.replace("_", "-")
+            raise TQExportError(
+                f"{flag} needs --ray (it sets up Ray Serve); add --ray or drop {flag}"
+            )
     config = EngineConfig(
         backend, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads,
         chat_template, kernels,
@@ -585,17 +650,18 @@ def serve(
         open_artifact(artifact)  # a bad artifact fails here, not in every replica
         name = served_model_name or str(artifact)
         serve_on_ray(artifact, config, host, port, name, api_key, replicas, ray_address,
-                     replica_cpus, grace_seconds)  # fmt: skip
+                     replica_cpus, grace_seconds, metrics_public)  # fmt: skip
         return
     from tqexport.serve.runner import serve as run_server
 
-    run_server(artifact, config, host, port, served_model_name, api_key, grace_seconds)
+    run_server(artifact, config, host, port, served_model_name, api_key, grace_seconds,
+               metrics_public=metrics_public)  # fmt: skip
 
 
 app.add_typer(bench_app, name="bench")
 
 
-@app.command()
+@app.command(cls=Command)
 def engine(
     artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
     max_batch: Annotated[int, typer.Option(help="Most sequences per step.")] = 64,
@@ -616,14 +682,14 @@ def engine(
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: user errors, usage errors included, become one line on stderr and
-    exit code 2; ``--help`` exits 0; parity's mismatch exits 1."""
+    exit code 2; ``--help`` and no arguments at all (the help) exit 0; parity's mismatch exits 1."""
     try:
         rv = app(args=argv, prog_name="tqexport", standalone_mode=False)
     except TQExportError as e:
         error_exit(str(e))
     except click_exceptions.ClickException as e:
-        if type(e).__name__ == "NoArgsIsHelpError":  # typer printed the help already
-            sys.exit(2)
+        if type(e).__name__ == "NoArgsIsHelpError":  # typer printed the help: as --help does
+            sys.exit(0)
         ctx = getattr(e, "ctx", None)
         path = ctx.command_path if ctx is not None else "tqexport"
         error_exit(f"{e.format_message()} (see {path} --help)", 2 if e.exit_code == 2 else 1)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from rich.console import Console
@@ -47,19 +48,30 @@ def error_exit(message: str, code: int = 2):
     sys.exit(code)
 
 
+@contextmanager
+def progress(*columns) -> Iterator:
+    """A rich Progress on stderr, live on a terminal only and cleared if the work inside
+    fails: a failure prints its error line alone, never after a bar."""
+    from rich.progress import Progress
+
+    with Progress(*columns, console=err, disable=not err.is_terminal) as bar:
+        try:
+            yield bar
+        except BaseException:
+            bar.live.transient = True
+            raise
+
+
 def run_in_stages(labels: dict[str, str], work: Callable[[Callable[[str], None]], T]) -> T:
     """Run ``work(stage)``, which calls ``stage(name)`` as each stage starts. A terminal gets a
     live display (cleared if the work fails); a log gets each stage's time once, after
     success, so a failure prints its error line only."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    live = err.is_terminal
     started: dict[str, float] = {}
     current = {}
-    with Progress(
-        SpinnerColumn(), TextColumn("{task.description}", markup=False), TimeElapsedColumn(),
-        console=err, disable=not live,
-    ) as bar:  # fmt: skip
+    columns = SpinnerColumn(), TextColumn("{task.description}", markup=False), TimeElapsedColumn()
+    with progress(*columns) as bar:
 
         def stage(name: str) -> None:
             for task in current.values():
@@ -67,14 +79,10 @@ def run_in_stages(labels: dict[str, str], work: Callable[[Callable[[str], None]]
             current[name] = bar.add_task(labels[name], total=None)
             started[name] = time.monotonic()
 
-        try:
-            result = work(stage)
-        except BaseException:
-            bar.live.transient = True
-            raise
+        result = work(stage)
         for task in current.values():
             bar.update(task, completed=1, total=1)
-    if not live:
+    if not err.is_terminal:
         ends = [*list(started.values())[1:], time.monotonic()]
         for (name, t0), t1 in zip(started.items(), ends, strict=True):
             err.print(f"  {labels[name]} {t1 - t0:.1f} s")

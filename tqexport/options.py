@@ -1,11 +1,44 @@
 """Typer option types that several commands share (one help text each; the defaults come from
-:class:`~tqexport.runtime.config.EngineConfig` and :mod:`tqexport.validate`)."""
+:class:`~tqexport.runtime.config.EngineConfig` and :mod:`tqexport.validate`), the command class
+every command uses, and whether an option was given."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
 import typer
+from typer.core import TyperArgument, TyperCommand
+
+from tqexport.errors import TQExportError
+
+
+class Command(TyperCommand):
+    """A command that refuses an empty value of any option or argument: typer would read ''
+    as the path '.' or as an unset name, and go on silently."""
+
+    def parse_args(self, ctx, args):
+        raw, _, _ = self.make_parser(ctx).parse_args(args=list(args))  # values as typed
+        for param in self.get_params(ctx):
+            value = raw.get(param.name)
+            if value == "" or (isinstance(value, (list, tuple)) and "" in value):
+                fix = "give a value" + ("" if param.required else " or leave it out")
+                raise TQExportError(f"{_label(param)} is empty; {fix}")
+        return super().parse_args(ctx, args)
+
+
+def _label(param) -> str:
+    """How the user names a parameter: its long option, or an argument's metavar."""
+    if isinstance(param, TyperArgument):
+        return param.name.upper()
+    return max(param.opts, key=len)
+
+
+def given(ctx: typer.Context, name: str) -> bool:
+    """Whether the option behind parameter ``name`` was given (on the command line or in its
+    environment variable) rather than left at its default."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
 
 SkipOption = Annotated[
     list[str] | None,

@@ -155,11 +155,11 @@ def resolve(
 
     recent = {}
     if recent_window and not entry.mode.is_quantized:
-        warnings.append(
-            f"--kv-recent-window {recent_window}: {kv_cache_dtype} is not quantized; "
-            "no layer gets a recent window"
+        raise ResolveError(
+            f"--kv-recent-window {recent_window} has no effect: --kv-cache-dtype "
+            f"{kv_cache_dtype} is not quantized; drop it"
         )
-    elif recent_window:
+    if recent_window:
         recent = {
             la.index: min(recent_window, la.window or recent_window)
             for pos, la in enumerate(layers)

@@ -82,6 +82,17 @@ def choice(value: str, name: str, options) -> str:
     return value
 
 
+def comma_list(text: str, name: str) -> list[str]:
+    """'a, b' -> ['a', 'b']: the comma-separated values of option ``name``, none of them empty
+    ('a,,b' and 'a,' are refused, never read as 'a,b' and 'a')."""
+    values = [x.strip() for x in text.split(",")]
+    if not all(values):
+        raise TQExportError(
+            f"{name} {text!r} has an empty value; separate the values by single commas"
+        )
+    return values
+
+
 def block_size(value, name: str = "--block-size") -> int:
     """Tokens per cache block: a power of two up to :data:`MAX_BLOCK_SIZE` (the kernels' rule)."""
     n = integer(value, name, 1)

@@ -12,9 +12,9 @@ from rich.table import Table
 
 from tqexport import validate
 from tqexport.bench import matrix
-from tqexport.console import console, err
+from tqexport.console import console, err, progress
 from tqexport.errors import TQExportError
-from tqexport.options import SkipOption
+from tqexport.options import Command, SkipOption, given
 from tqexport.runtime.config import DEFAULT_KV_CACHE_MEMORY
 from tqexport.validate import printable
 
@@ -30,9 +30,7 @@ def _say(what: str) -> None:
 
 def _quality(target, configs, text_file, chunk, chunks, peer: bool):
     """Ours (with a progress bar) and the llama.cpp peer: (ours, peer result, peer note)."""
-    from rich.progress import Progress
-
-    with Progress(console=err) as bar:
+    with progress() as bar:
         task = bar.add_task("tqexport: scoring chunks", total=None)
         return matrix.run_quality(
             target, configs, text_file, chunk, chunks, peer,
@@ -40,7 +38,7 @@ def _quality(target, configs, text_file, chunk, chunks, peer: bool):
         )  # fmt: skip
 
 
-@bench_app.command("quality")
+@bench_app.command("quality", cls=Command)
 def bench_quality(
     target: Annotated[str, typer.Argument(help="MODEL (HF dir, .gguf, built-in) or artifact DIR.")],
     kv_cache_dtype: Annotated[
@@ -129,8 +127,9 @@ def _print_quality(ours: dict, rows: list[dict], note: str | None) -> None:
         err.print(printable(f"llama.cpp peer {note}"))
 
 
-@bench_app.command("speed")
+@bench_app.command("speed", cls=Command)
 def bench_speed(
+    ctx: typer.Context,
     target: Annotated[
         str, typer.Argument(help="MODEL (artifacts built per dtype) or artifact DIR.")
     ],
@@ -154,6 +153,14 @@ def bench_speed(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ):
     """Decode tokens/s vs context and batch per kv dtype on ONNX Runtime CPU; KV memory."""
+    if matrix.is_artifact(target):
+        for name in ("kv_cache_dtype", "recent_window"):
+            if given(ctx, name):
+                raise TQExportError(
+                    f"--{name.replace('_', '-')} has no effect when TARGET is an artifact "
+                    f"({target}, compared with auto as built); drop it, or give a model to "
+                    "build per dtype"
+                )
     speed = matrix.run_speed(
         target, kv_cache_dtype, contexts, batches, steps, budget, workdir, _say, recent_window
     )
@@ -187,8 +194,9 @@ def _print_speed(speed: dict) -> None:
     console.print(m)
 
 
-@bench_app.command("report")
+@bench_app.command("report", cls=Command)
 def bench_report(
+    ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="MODEL (HF dir, .gguf, built-in).")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Report directory.")],
     chunks: Annotated[int, typer.Option(help="Quality windows of 1024 tokens.")] = 8,
@@ -222,6 +230,11 @@ def bench_report(
     from tqexport.kvquant.modes import parse_kv_cache_dtype
 
     validate.integer(chunks, "--chunks", 1, matrix.MAX_BENCH_CHUNKS)
+    if quality_json and given(ctx, "chunks"):
+        raise TQExportError(
+            "--chunks has no effect with --quality-json (its quality runs are reused as they "
+            "are); drop one"
+        )
     matrix.speed_args(contexts, batches, 4, "0,32")
     peer_speed = None
     if peer_speed_json is not None:

@@ -23,15 +23,16 @@ MAX_BENCH_CONTEXT, MAX_BENCH_BATCH, MAX_BENCH_STEPS = 2**20, 4096, 10**4
 Say = Callable[[str], None]
 
 
-def split(values: list[str] | None) -> list[str]:
-    """Repeated and comma-separated option values, flattened."""
-    return [x.strip() for v in values or [] for x in v.split(",") if x.strip()]
+def split(values: list[str] | None, name: str) -> list[str]:
+    """Repeated and comma-separated values of option ``name``, flattened (none empty)."""
+    return [x for v in values or [] for x in validate.comma_list(v, name)]
 
 
 def ints(text: str, what: str, minimum: int = 1, maximum: int | None = None) -> list[int]:
     """'256,1024' -> [256, 1024]; ``what`` names the option in the error."""
+    parts = validate.comma_list(text, f"--{what}")
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in parts]
     except ValueError:
         values = []
     if not values or min(values) < minimum:
@@ -63,10 +64,9 @@ def quality_configs(
     if boundary not in ("on", "off", "both"):
         raise TQExportError(f"--boundary must be on, off or both, got {boundary!r}")
     parse_kv_scales(kv_scales)
-    names = split(dtypes) or list(BENCH_DTYPES)
-    for n in names:
-        parse_kv_cache_dtype(n)
-    skip = tuple(split(skip_layers))
+    names = split(dtypes, "--kv-cache-dtype") or list(BENCH_DTYPES)
+    entries = [parse_kv_cache_dtype(n) for n in names]
+    skip = tuple(split(skip_layers, "--skip-layers"))
     windows = ints(recent, "recent-window", minimum=0, maximum=validate.MAX_RECENT_WINDOW)
     sink_counts = ints(sinks, "kv-sink-tokens", minimum=0, maximum=validate.MAX_SINK_TOKENS)
     if any(sink_counts) and not any(windows):
@@ -74,7 +74,11 @@ def quality_configs(
             "--kv-sink-tokens needs a --recent-window value >= 1: the sink tokens are kept in "
             "the recent-window cache"
         )
-    transforms = [key_transform_label(parse_key_transform(t)) for t in split([key_transforms])]
+    transforms = [
+        key_transform_label(parse_key_transform(t))
+        for t in split([key_transforms], "--kv-key-transform")
+    ]
+    _no_effect(names, entries, boundary, kv_scales, transforms, windows)
     configs = []
     for n in names:
         entry = parse_kv_cache_dtype(n)
@@ -85,11 +89,34 @@ def quality_configs(
                 Config(
                     n, b, skip, recent_window=w, sink_tokens=s, kv_scales=kv_scales, key_transform=t
                 )  # fmt: skip
-                for w in (windows if n != "auto" else [0])
+                for w in (windows if entry.mode.is_quantized else [0])
                 for s in (sink_counts if w else [0])
                 for t in keys
             ]
     return configs
+
+
+def _no_effect(names, entries, boundary, kv_scales, transforms, windows) -> None:
+    """Refuse an option that no dtype of the run uses (it would be ignored)."""
+    dtypes = f"--kv-cache-dtype {','.join(names)}"
+    if any(windows) and not any(e.mode.is_quantized for e in entries):
+        raise TQExportError(
+            f"--recent-window {','.join(map(str, windows))} has no effect: {dtypes} has no "
+            "quantized dtype; drop it"
+        )
+    if boundary != "both" and not any(e.is_turboquant for e in entries):
+        raise TQExportError(
+            f"--boundary {boundary} has no effect: {dtypes} has no TurboQuant dtype; drop it"
+        )
+    if kv_scales != "1.0" and not any(e.mode.uses_layer_scales for e in entries):
+        raise TQExportError(
+            f"--kv-scales {kv_scales} has no effect: {dtypes} has no fp8/nvfp4 dtype; drop it"
+        )
+    if transforms != ["none"] and not any(e.native and e.is_turboquant for e in entries):
+        raise TQExportError(
+            f"--kv-key-transform {','.join(transforms)} has no effect: {dtypes} has no "
+            "tqexport-native TurboQuant dtype (tqx_*); drop it"
+        )
 
 
 def run_quality(
@@ -138,18 +165,24 @@ def check_speed_memory(spec, label: str, ctx: list[int], bat: list[int], steps: 
         )
 
 
+def is_artifact(target) -> bool:
+    """Whether a bench TARGET is an artifact directory (else a model to build artifacts of)."""
+    from tqexport.contract.files import SPEC_FILE
+
+    return Path(target).is_dir() and (Path(target) / SPEC_FILE).is_file()
+
+
 def run_speed(target, dtypes, contexts, batches, steps, budget, workdir, say: Say, recent="0"):
     """Decode speed and KV memory per dtype (and recent window); ``target`` is a model, whose
     artifacts are built or reused under ``workdir``, or one artifact (compared with auto)."""
     from tqexport.bench import speed
     from tqexport.contract.artifact import open_artifact
-    from tqexport.contract.files import SPEC_FILE
     from tqexport.kvquant.modes import parse_kv_cache_dtype
     from tqexport.runtime.memory import parse_memory
 
     ctx, bat, windows = speed_args(contexts, batches, steps, recent)
     parse_memory(budget, "--budget")
-    if Path(target).is_dir() and (Path(target) / SPEC_FILE).is_file():
+    if is_artifact(target):
         art = open_artifact(target)
         check_speed_memory(art.spec, str(target), ctx, bat, steps)
         name = art.spec.request["kv_cache_dtype"]
@@ -159,13 +192,14 @@ def run_speed(target, dtypes, contexts, batches, steps, budget, workdir, say: Sa
         from tqexport.models.config import describe_model
         from tqexport.resolve import resolve
 
-        names = ["auto", *[n for n in split(dtypes) or BENCH_SPEED_DTYPES if n != "auto"]]
+        given = split(dtypes, "--kv-cache-dtype") or BENCH_SPEED_DTYPES
+        names = ["auto", *[n for n in given if n != "auto"]]
         for n in names:  # every name and combination first: nothing is built for a typo
             parse_kv_cache_dtype(n)
         desc = describe_model(target)
         plans = {}
         for n in names:
-            for w in windows if n != "auto" else [0]:
+            for w in windows if parse_kv_cache_dtype(n).mode.is_quantized else [0]:
                 label = f"{n} recent {w}" if w else n
                 plans[label] = (n, w)
                 spec = resolve(desc, n, [], recent_window=w).spec

@@ -12,8 +12,11 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -122,12 +125,27 @@ def _export_body(op: str, attrs: dict, opset: int) -> onnx.ModelProto:
             recent_blocks = torch.export.Dim("num_recent_blocks")
             recent_tables = {0: seqs, 1: torch.export.Dim("max_recent_blocks")}
             dyn = (*dyn, {0: recent_blocks}, {0: recent_blocks}, recent_tables)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet_export():
         program = torch.onnx.export(
             module, args, dynamic_shapes=(dyn,), dynamo=True, opset_version=opset, verbose=False
         )
     return program.model_proto
+
+
+@contextmanager
+def quiet_export() -> Iterator[None]:
+    """torch.onnx.export without its Python warnings and warning log lines ("torchvision is
+    not installed. Skipping torchvision::nms"): noise to a user, printed ahead of whatever
+    the command says next, an error line included. Its errors still raise."""
+    log = logging.getLogger("torch.onnx")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        log.setLevel(level)
 
 
 _SHAPE_ONLY = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")

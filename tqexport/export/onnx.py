@@ -9,15 +9,13 @@ cache. Both carry their layer's spec as attributes and ``plugin_namespace="tqexp
 
 from __future__ import annotations
 
-import warnings
-
 import onnx
 import torch
 
 from tqexport.contract.caches import allocate_caches
 from tqexport.contract.files import set_spec_metadata
 from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
-from tqexport.export.functions import function_for
+from tqexport.export.functions import function_for, quiet_export
 from tqexport.models.paged import PagedCausalLM
 from tqexport.ops.attributes import DOMAIN
 from tqexport.spec import ModelSpec, block_tables_name, slot_mapping_name
@@ -65,8 +63,7 @@ def export_model(hf_model: torch.nn.Module, spec: ModelSpec, opset: int = DEFAUL
     inputs = ordered_inputs(spec, step, caches)
     dyn = _dynamic_shapes(spec)
     module = PagedCausalLM(hf_model, spec, mode="export")
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
+    with quiet_export(), torch.no_grad():
         program = torch.onnx.export(
             module,
             tuple(inputs),

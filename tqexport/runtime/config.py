@@ -45,6 +45,11 @@ class EngineConfig:
             parse_memory(self.kv_cache_memory)
         if self.threads is not None:
             validate.integer(self.threads, "--threads", 1)
+            if self.backend != "ort":
+                raise TQExportError(
+                    f"--threads sets ONNX Runtime's threads and has no effect with --backend "
+                    f"{self.backend}; drop it"
+                )
         validate.choice(self.kernels, "--kernels", KERNEL_CHOICES)
         if self.kernels != "auto" and self.backend != "ort":
             raise TQExportError(

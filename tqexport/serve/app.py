@@ -3,6 +3,8 @@
 
 Every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}``; an unexpected one
 is a 500 with no traceback (logged on the server). A client that disconnects aborts its request.
+Request bodies must be ``application/json``: a form or text body, which a browser may send
+cross-site without asking, never reaches the engine.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from tqexport.errors import TQExportError
 from tqexport.runtime.engine import Engine
+from tqexport.serve import openapi
 from tqexport.serve.loop import EngineFailed, EngineLoop
 from tqexport.serve.metrics import Metrics
 from tqexport.serve.protocol import (
@@ -48,13 +52,16 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     replica: str | None = None,
+    metrics_public: bool = False,
 ) -> FastAPI:
-    """The app serving ``engine`` as model ``served_model_name``; with ``api_key`` every /v1
-    route needs ``Authorization: Bearer <api_key>``. The engine loop runs while the app does.
-    ``replica`` (one of several behind a proxy) is sent on every response as REPLICA_HEADER."""
+    """The app serving ``engine`` as model ``served_model_name``; with ``api_key`` every route
+    but /health (and /metrics when ``metrics_public``) needs ``Authorization: Bearer
+    <api_key>``. The engine loop runs while the app does. ``replica`` (one of several behind a
+    proxy) is sent on every response as REPLICA_HEADER."""
     loop = EngineLoop(engine)
     metrics = Metrics(engine)
     started = int(time.time())
+    public = frozenset({"/health", *(["/metrics"] if metrics_public else [])})
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -68,7 +75,17 @@ def create_app(
     app.state.engine_loop = loop
     app.state.metrics = metrics
 
-    if replica is not None:
+    def describe() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi.describe(
+                app, served_model_name, public, bearer=api_key is not None
+            )
+        return app.openapi_schema
+
+    app.openapi = describe
+    if api_key is not None:
+        app.add_middleware(_RequireKey, key=api_key, public=public)
+    if replica is not None:  # added last: outermost, so a 401 is named too
         app.add_middleware(_NameReplica, replica=replica)
 
     @app.exception_handler(APIError)
@@ -78,27 +95,23 @@ def create_app(
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+        body = error_body(str(e.detail), kind)
+        return JSONResponse(body, status_code=e.status_code, headers=e.headers)  # 405: Allow
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
         log.exception("unexpected error serving %s", request.url.path)
         return JSONResponse(error_body("internal server error", "server_error"), 500)
 
-    def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), api_key.encode()
-        ):
-            raise APIError(
-                401,
-                "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-            )
-
     async def read_json(request: Request):
+        ctype = request.headers.get("content-type")
+        if ctype is None or ctype.partition(";")[0].strip().lower() != "application/json":
+            raise APIError(
+                415,
+                "the request body must be JSON sent with 'Content-Type: application/json', got "
+                + (repr(ctype) if ctype is not None else "no Content-Type"),
+                code="unsupported_media_type",
+            )
         too_big = APIError(
             413, f"the request body is over {max_body_bytes} bytes", code="request_too_large"
         )
@@ -159,17 +172,16 @@ def create_app(
             )
         return await _whole(request, loop, rid, outputs, reply, timing)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "Up."}})
     async def health():
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics_text():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        check_key(request)
+    @app.get("/v1/models", responses={200: {"model": openapi.ModelList}})
+    async def models():
         card = {
             "id": served_model_name,
             "object": "model",
@@ -182,20 +194,56 @@ def create_app(
 
     async def endpoint(request: Request, chat: bool):
         arrival = time.monotonic()
-        check_key(request)
         req = parse(ChatCompletionRequest if chat else CompletionRequest, await read_json(request))
         prompt = req.message_list() if chat else req.prompt_value()
         return await generate(request, req, prompt, chat, arrival)
 
-    @app.post("/v1/completions")
+    posted = openapi.errors(400, 404, 413, 415, 500, 503)
+
+    @app.post(
+        "/v1/completions",
+        responses={**openapi.generated(openapi.Completion, openapi.CompletionChunk), **posted},
+        openapi_extra=openapi.body(CompletionRequest),
+    )
     async def completions(request: Request):
         return await endpoint(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        responses={
+            **openapi.generated(openapi.ChatCompletion, openapi.ChatCompletionChunk),
+            **posted,
+        },
+        openapi_extra=openapi.body(ChatCompletionRequest),
+    )
     async def chat_completions(request: Request):
         return await endpoint(request, chat=True)
 
     return app
+
+
+class _RequireKey:
+    """ASGI middleware: an HTTP request to any path but the ``public`` ones needs
+    ``Authorization: Bearer <key>``, else a 401 with OpenAI's error body (pure ASGI: the
+    body of a refused request is never read)."""
+
+    def __init__(self, app, key: str, public: frozenset[str]):
+        self.app, self.key, self.public = app, key.encode(), public
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.public or self._authorized(scope):
+            return await self.app(scope, receive, send)
+        e = APIError(
+            401,
+            "missing or wrong API key: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+        )
+        refused = JSONResponse(e.body(), e.status, headers={"WWW-Authenticate": "Bearer"})
+        await refused(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.key)
 
 
 class _NameReplica:

@@ -8,11 +8,13 @@ value that means "off", and a parameter nobody defines is an error, never ignore
 from __future__ import annotations
 
 import secrets
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 
 from tqexport.errors import TQExportError
+from tqexport.runtime.chat import ROLES
+from tqexport.runtime.engine import MAX_STOP_STRINGS
 from tqexport.runtime.sequence import SamplingParams
 from tqexport.validate import TORCH_SEED_MAX
 
@@ -57,6 +59,77 @@ def _same(value: Any, off: Any) -> bool:
     return type(value) is type(off) and value == off
 
 
+# What the hand-checked (``Any``) fields accept, for the OpenAPI description (/openapi.json)
+_TEXT = {"type": "string", "minLength": 1}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_ONE_PROMPT = {"anyOf": [_TEXT, _TOKEN_IDS]}
+Prompt = Annotated[
+    Any,
+    WithJsonSchema(
+        {
+            "anyOf": [
+                _TEXT,
+                _TOKEN_IDS,
+                {"type": "array", "items": _ONE_PROMPT, "minItems": 1, "maxItems": 1},
+            ],
+            "description": "One prompt: text or token ids (or a list holding one of them).",
+        }
+    ),
+]
+_TEXT_PART = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+    "additionalProperties": False,
+}
+Messages = Annotated[
+    Any,
+    WithJsonSchema(
+        {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "role": {"enum": list(ROLES)},
+                    "content": {
+                        "anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]
+                    },
+                },
+                "required": ["role", "content"],
+                "additionalProperties": False,
+            },
+        }
+    ),
+]
+Stop = Annotated[
+    Any,
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "null"},
+                _TEXT,
+                {"type": "array", "items": _TEXT, "maxItems": MAX_STOP_STRINGS},
+            ]
+        }
+    ),
+]
+
+
+def _describe(schema: dict, model: type[_Sampling]) -> None:
+    """The JSON schema of a request model: every OFF parameter as the values it accepts, and
+    the fields checked by hand that a request needs (REQUIRED) marked required."""
+    props = schema["properties"]
+    for name, off in model.OFF.items():
+        props[name] = {
+            "anyOf": [{"type": "null"} if v is None else {"const": v} for v in off],
+            "description": "Accepted only at a value that turns it off.",
+        }
+    for name in model.REQUIRED:
+        props[name].pop("default", None)
+    schema["required"] = sorted({*schema.get("required", ()), *model.REQUIRED})
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
@@ -65,7 +138,7 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """Fields both endpoints share; the ``Any`` ones are checked by hand for clear messages."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_describe)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -73,7 +146,7 @@ class _Sampling(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # vLLM's extension; -1 and 0 mean off
     seed: int | None = Field(None, ge=0, le=TORCH_SEED_MAX)
-    stop: Any = None
+    stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own bookkeeping
@@ -86,6 +159,8 @@ class _Sampling(BaseModel):
     logit_bias: Any = None
     logprobs: Any = None
 
+    #: fields checked by hand that every request needs
+    REQUIRED: ClassVar[tuple[str, ...]] = ()
     #: parameter -> the values that mean "off" (the only ones accepted)
     OFF: ClassVar[dict[str, tuple]] = {
         "n": (None, 1),
@@ -136,11 +211,12 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Any = None
+    prompt: Prompt = None
     best_of: Any = None
     echo: Any = None
     suffix: Any = None
 
+    REQUIRED: ClassVar[tuple[str, ...]] = ("prompt",)
     OFF: ClassVar[dict[str, tuple]] = {
         **_Sampling.OFF,
         "logprobs": (None,),
@@ -178,7 +254,7 @@ class CompletionRequest(_Sampling):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: Any = None
+    messages: Messages = None
     max_completion_tokens: int | None = Field(None, ge=1)
     top_logprobs: Any = None
     tools: Any = None
@@ -188,6 +264,7 @@ class ChatCompletionRequest(_Sampling):
     function_call: Any = None
     response_format: Any = None
 
+    REQUIRED: ClassVar[tuple[str, ...]] = ("messages",)
     OFF: ClassVar[dict[str, tuple]] = {
         **_Sampling.OFF,
         "logprobs": (None, False),

@@ -42,6 +42,7 @@ def application(
     replicas: int,
     replica_cpus: float,
     grace_seconds: float,
+    metrics_public: bool = False,
 ):
     """The bound Ray Serve application: ``replicas`` copies of the app, each building its own
     engine from ``artifact`` when Ray starts it (a replacement replica does the same)."""
@@ -54,7 +55,9 @@ def application(
 
         replica = f"{serve.get_replica_context().replica_id.unique_id} pid={os.getpid()}"
         engine = Engine.from_artifact(path, config)
-        return create_app(engine, served_model_name, api_key, replica=replica)
+        return create_app(
+            engine, served_model_name, api_key, replica=replica, metrics_public=metrics_public
+        )
 
     deployment = serve.deployment(
         serve.ingress(build_app)(),
@@ -88,6 +91,7 @@ def serve_on_ray(
     address: str | None,
     replica_cpus: float,
     grace_seconds: float,
+    metrics_public: bool = False,
 ) -> None:
     """Serve ``artifact`` on Ray Serve until SIGTERM/SIGINT. Without ``address`` a local Ray
     instance is started on 127.0.0.1 and shut down at the end; with one, the cluster is
@@ -116,7 +120,7 @@ def serve_on_ray(
             serve.start(http_options=HTTPOptions(host=host, port=port))
             app = application(
                 artifact, config, served_model_name, api_key, replicas, replica_cpus,
-                grace_seconds,
+                grace_seconds, metrics_public,
             )  # fmt: skip
             try:
                 serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)

@@ -58,9 +58,11 @@ def serve(
     api_key: str | None = None,
     grace_seconds: float = GRACE_SECONDS,
     log_level: str = "info",
+    metrics_public: bool = False,
 ) -> None:
     """Serve ``artifact`` until SIGTERM/SIGINT: then stop accepting, let in-flight requests
-    finish (at most ``grace_seconds``) and return (the process exits 0)."""
+    finish (at most ``grace_seconds``) and return (the process exits 0). ``metrics_public``
+    leaves /metrics open when ``api_key`` guards the rest."""
     from tqexport.serve.app import create_app
 
     if not 0 <= port <= 65535:
@@ -71,7 +73,7 @@ def serve(
     try:
         engine = Engine.from_artifact(artifact, config)
         name = served_model_name or str(artifact)
-        app = create_app(engine, name, api_key)
+        app = create_app(engine, name, api_key, metrics_public=metrics_public)
         bound = sock.getsockname()[1]
         where = f"[{host}]" if ":" in host else host
         banner = (
