@@ -713,3 +713,39 @@ def test_torch_backend_source_gguf_truncated_is_one_line(served, capsys, tmp_pat
     code, out, err = main_inproc(capsys, "run", art, "--prompt", "hi", "--backend", "torch")
     assert code == 2 and out == ""
     truncated_gguf_error(err, gguf_path)
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (bytes(range(128, 256)), "is not UTF-8 text (byte 0x80 at offset 0); give a UTF-8 text "
+         "file"),
+        (b"", "is empty; give a UTF-8 text file"),
+        (b" \n\t\n", "is empty; give a UTF-8 text file"),
+    ],
+)  # fmt: skip
+def test_calibration_text_binary_or_empty_is_one_line(capsys, tmp_path, content, message):
+    text = tmp_path / "calib.txt"
+    text.write_bytes(content)
+    out = tmp_path / "out"
+    code, _, err = main_inproc(capsys, "build", "tiny-llama", "-o", out, "--kv-cache-dtype", "fp8",
+                               "--kv-scales", "calibrate", "--calibration-text", text)  # fmt: skip
+    assert code == 2
+    assert one_error_line(err, "") == f"error: --calibration-text {text} {message}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt"]
+
+
+def test_calibration_text_without_a_reader_is_refused(capsys, tmp_path):
+    text = tmp_path / "calib.txt"
+    text.write_text("some English text")
+    out = tmp_path / "out"
+    code, _, err = main_inproc(capsys, "build", "tiny-llama", "-o", out, "--kv-cache-dtype", "fp8",
+                               "--calibration-text", text)  # fmt: skip
+    assert code == 2
+    assert one_error_line(err, "") == (
+        "error: --calibration-text is read only by --kv-scales calibrate (and --kv-key-transform "
+        "center or smooth); add --kv-scales calibrate or drop --calibration-text"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt"]
+
+
