@@ -749,3 +749,49 @@ def test_calibration_text_without_a_reader_is_refused(capsys, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt"]
 
 
+def _graph_edit(art, edit):
+    import onnx
+
+    graph = onnx.load(str(art / "model.onnx"), load_external_data=False)
+    node = next(n for n in graph.graph.node if n.op_type == "Concat")
+    edit(graph, node)
+    onnx.save(graph, str(art / "model.onnx"))
+    return node.name
+
+
+def _foreign_domain(graph, node):
+    node.domain = "evil.ops"
+
+
+def _foreign_domain_imported(graph, node):
+    import onnx
+
+    node.domain = "evil.ops"
+    graph.opset_import.append(onnx.helper.make_opsetid("evil.ops", 1))
+
+
+@pytest.mark.parametrize("edit", [_foreign_domain, _foreign_domain_imported])
+@pytest.mark.parametrize("command", [["run", "--prompt", "hi"], ["parity", "--steps", "1"]])
+def test_node_in_an_unknown_domain_is_one_line_naming_it(served, capsys, edit, command):
+    art = served()
+    name = _graph_edit(art, edit)
+    code, out, err = main_inproc(capsys, command[0], art, *command[1:])
+    assert code == 2 and out == ""
+    assert one_error_line(err, "") == (
+        f"error: {art / 'model.onnx'}: node {name!r} (Concat) is in domain 'evil.ops', which "
+        "neither ONNX Runtime nor the model's functions define; rebuild the artifact"
+    )
+
+
+def test_graph_onnx_runtime_cannot_load_is_one_line(served, capsys):
+    def bad_axis(graph, node):
+        next(a for a in node.attribute if a.name == "axis").i = 99
+
+    art = served()
+    name = _graph_edit(art, bad_axis)
+    code, out, err = main_inproc(capsys, "run", art, "--prompt", "hi")
+    assert code == 2 and out == ""
+    assert one_error_line(err, "") == (
+        f"error: ONNX Runtime cannot load {art / 'model.onnx'}: Node ({name}) Op (Concat) "
+        "[ShapeInferenceError] axis must be in [-rank, rank-1].; rebuild the artifact"
+    )

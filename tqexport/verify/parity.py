@@ -32,7 +32,7 @@ from tqexport.errors import TQExportError
 from tqexport.models.paged import PagedCausalLM
 from tqexport.ops import reference
 from tqexport.ops.attributes import CACHE_WRITE, DOMAIN, PAGED_ATTENTION, attention_segments
-from tqexport.runtime.backends.ort import providers
+from tqexport.runtime.backends.ort import check_ops, providers
 from tqexport.runtime.backends.torch import load_source_model
 from tqexport.spec import ModelSpec, block_tables_name, slot_mapping_name
 
@@ -76,6 +76,7 @@ class _TapSession:
     """ORT session over the artifact with every tqexport node's q/k/v and output exposed."""
 
     def __init__(self, artifact: Artifact, threads: int | None = None):
+        check_ops(artifact.model_file)
         model = onnx.load(str(artifact.model_file))
         self.taps: dict[tuple[int, str], str] = {}
         elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(artifact.spec.dtype))
