@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import subprocess
 import sys
@@ -711,3 +712,268 @@ def test_printable_escapes_control_characters():
     assert printable("a\x1b[31mb\nc\u202ed\u2028") == "a\\x1b[31mb\\nc\\u202ed\\u2028"
     assert printable("line\n\ttab\x07", keep_newlines=True) == "line\n\ttab\\x07"
     assert printable("héllo € [/x] :100:") == "héllo € [/x] :100:"
+
+
+# --- bounded from small inputs: absurd configs, damaged files, unknown graph domains ---
+
+ABSURD = {"num_hidden_layers": 10**7, "hidden_size": 10**9, "num_attention_heads": 8,
+          "num_key_value_heads": 8, "intermediate_size": 10**9, "vocab_size": 32000}  # fmt: skip
+
+
+def write_config(d, model_type="llama", **fields):
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": model_type, **fields}))
+    return d
+
+
+@pytest.fixture
+def no_transformers_config(monkeypatch):
+    """Fails the test if transformers is asked to build a config (what took minutes)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    def refuse(*a, **kw):
+        raise AssertionError("transformers saw a config that should have been refused first")
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", refuse)
+    monkeypatch.setattr(PretrainedConfig, "get_config_dict", refuse)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("command", ["plan", "build"])
+def test_absurd_config_sizes_are_refused_before_anything_is_built(
+    capsys, tmp_path, no_transformers_config, model_type, command
+):
+    src = write_config(tmp_path / "huge", model_type, **ABSURD)
+    out = tmp_path / "out"
+    args = [command, src] + (["-o", out] if command == "build" else [])
+    code, stdout, err = main_inproc(capsys, *args)
+    assert code == 2 and stdout == ""
+    assert one_error_line(err, "") == (
+        f"error: {src}: config num_hidden_layers must be an integer from 1 to 1024 (tqexport's "
+        "limit), got 10000000; is the config damaged?"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["huge"]
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"num_hidden_layers": 2, "hidden_size": 10**6, "num_attention_heads": 8},
+         "hidden_size 1000000 / num_attention_heads 8 is a head size of 125000, more than 1024"),
+        ({"num_attention_heads": 0}, "num_attention_heads must be an integer from 1 to 1024 "
+         "(tqexport's limit), got 0"),
+        ({"num_key_value_heads": 2.5}, "num_key_value_heads must be an integer from 1 to 1024 "
+         "(tqexport's limit), got 2.5"),
+        ({"vocab_size": 2**30}, "vocab_size must be an integer from 1 to 16777216"),
+        ({"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2000},
+         "config layer_types lists 2000 layers, more than 1024"),
+    ],
+)  # fmt: skip
+def test_config_sizes_outside_the_spec_limits_are_one_line(
+    capsys, tmp_path, no_transformers_config, fields, message
+):
+    src = write_config(tmp_path / "m", **fields)
+    code, _, err = main_inproc(capsys, "plan", src)
+    assert code == 2
+    assert one_error_line(err, message).startswith(f"error: {src}: config ")
+
+
+def test_build_refuses_weights_larger_than_this_machine_before_loading(
+    capsys, tmp_path, monkeypatch
+):
+    from tqexport import validate
+
+    monkeypatch.setattr(validate, "physical_memory", lambda: 2**31)
+    src = write_config(tmp_path / "big", num_hidden_layers=2, hidden_size=4096,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       intermediate_size=11008, vocab_size=32000)  # fmt: skip
+    # q/k/v/o + gated MLP per layer, untied embeddings and head: 4 bytes each as float32
+    params = 2 * (2 * 4096 * 128 * (32 + 8) + 3 * 4096 * 11008) + 2 * 32000 * 4096
+    assert params == 616_562_688  # 2.3 GiB as float32, 1.15 GiB as float16
+    out = tmp_path / "out"
+    code, _, err = main_inproc(capsys, "build", src, "-o", out)
+    assert code == 2
+    assert one_error_line(err, "") == (
+        "error: big: its weights take about 2.3 GiB as float32 (616,562,688 parameters by its "
+        "config), more than this machine's 2.0 GiB of memory; try --dtype float16"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big"]
+    monkeypatch.setattr(validate, "physical_memory", lambda: 2**30)
+    code, _, err = main_inproc(capsys, "build", src, "-o", out, "--dtype", "float16")
+    assert code == 2
+    line = one_error_line(err, "")
+    assert line == (
+        "error: big: its weights take about 1.1 GiB as float16 (616,562,688 parameters by its "
+        "config), more than this machine's 1.0 GiB of memory; use a smaller model or a larger "
+        "machine"
+    )
+
+
+@pytest.mark.parametrize("depth", [100_000, 40])
+def test_deeply_nested_config_is_one_line(capsys, tmp_path, no_transformers_config, depth):
+    src = tmp_path / "deep"
+    src.mkdir()
+    (src / "config.json").write_text(
+        '{"model_type": "llama", "x": ' + "[" * depth + "]" * depth + "}"
+    )
+    code, _, err = main_inproc(capsys, "plan", src)
+    assert code == 2
+    if depth > 1000:  # beyond Python's recursion limit: json itself gives up
+        assert one_error_line(err, "") == (
+            f"error: {src / 'config.json'} is not a config: its JSON nests too deeply"
+        )
+    else:
+        assert one_error_line(err, "") == (
+            f"error: {src}: the config nests lists/objects more than 32 deep; is it damaged?"
+        )
+
+
+@pytest.fixture(scope="module")
+def gguf_bytes(tmp_path_factory):
+    """A small valid GGUF file (a 2-layer Llama's metadata, one tensor)."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path_factory.mktemp("gguf") / "full.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_context_length(64)
+    w.add_embedding_length(16)
+    w.add_feed_forward_length(32)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tensor("token_embd.weight", np.zeros((8, 16), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path.read_bytes()
+
+
+def truncated_gguf_error(err: str, path) -> None:
+    line = one_error_line(err, "")
+    assert line.startswith(f"error: cannot read the GGUF header of {path} (")
+    assert line.endswith("); the file is truncated or damaged, download it again")
+
+
+@pytest.mark.parametrize("size", [10, 24, 100, 300])
+@pytest.mark.parametrize("command", ["plan", "build"])
+def test_truncated_gguf_header_is_one_line(capsys, tmp_path, gguf_bytes, size, command):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(gguf_bytes[:size])
+    out = tmp_path / "out"
+    code, _, err = main_inproc(capsys, command, path, *(["-o", out] if command == "build" else []))
+    assert code == 2
+    truncated_gguf_error(err, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+
+
+def test_valid_small_gguf_still_plans(capsys, tmp_path, gguf_bytes):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(gguf_bytes)
+    code, out, err = main_inproc(capsys, "plan", path, "--json")
+    assert code == 0, err
+    assert [la["head_size"] for la in json.loads(out)["layers"]] == [8, 8]
+
+
+def test_torch_backend_source_gguf_truncated_is_one_line(served, capsys, tmp_path, gguf_bytes):
+    import onnx
+
+    from tqexport.contract.files import MODEL_FILE, SPEC_FILE, set_spec_metadata
+    from tqexport.spec import ModelSpec
+
+    gguf_path = tmp_path / "source.gguf"
+    gguf_path.write_bytes(gguf_bytes[:100])
+    art = served()
+    spec = ModelSpec.from_json((art / SPEC_FILE).read_text())
+    spec = dataclasses.replace(spec, model={**spec.model, "path": str(gguf_path)})
+    graph = onnx.load(str(art / MODEL_FILE), load_external_data=False)
+    set_spec_metadata(graph, spec)
+    onnx.save(graph, str(art / MODEL_FILE))
+    (art / SPEC_FILE).write_text(spec.to_json() + "\n")
+    code, out, err = main_inproc(capsys, "run", art, "--prompt", "hi", "--backend", "torch")
+    assert code == 2 and out == ""
+    truncated_gguf_error(err, gguf_path)
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (bytes(range(128, 256)), "is not UTF-8 text (byte 0x80 at offset 0); give a UTF-8 text "
+         "file"),
+        (b"", "is empty; give a UTF-8 text file"),
+        (b" \n\t\n", "is empty; give a UTF-8 text file"),
+    ],
+)  # fmt: skip
+def test_calibration_text_binary_or_empty_is_one_line(capsys, tmp_path, content, message):
+    text = tmp_path / "calib.txt"
+    text.write_bytes(content)
+    out = tmp_path / "out"
+    code, _, err = main_inproc(capsys, "build", "tiny-llama", "-o", out, "--kv-cache-dtype", "fp8",
+                               "--kv-scales", "calibrate", "--calibration-text", text)  # fmt: skip
+    assert code == 2
+    assert one_error_line(err, "") == f"error: --calibration-text {text} {message}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt"]
+
+
+def test_calibration_text_without_a_reader_is_refused(capsys, tmp_path):
+    text = tmp_path / "calib.txt"
+    text.write_text("some English text")
+    out = tmp_path / "out"
+    code, _, err = main_inproc(capsys, "build", "tiny-llama", "-o", out, "--kv-cache-dtype", "fp8",
+                               "--calibration-text", text)  # fmt: skip
+    assert code == 2
+    assert one_error_line(err, "") == (
+        "error: --calibration-text is read only by --kv-scales calibrate (and --kv-key-transform "
+        "center or smooth); add --kv-scales calibrate or drop --calibration-text"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt"]
+
+
+def _graph_edit(art, edit):
+    import onnx
+
+    graph = onnx.load(str(art / "model.onnx"), load_external_data=False)
+    node = next(n for n in graph.graph.node if n.op_type == "Concat")
+    edit(graph, node)
+    onnx.save(graph, str(art / "model.onnx"))
+    return node.name
+
+
+def _foreign_domain(graph, node):
+    node.domain = "evil.ops"
+
+
+def _foreign_domain_imported(graph, node):
+    import onnx
+
+    node.domain = "evil.ops"
+    graph.opset_import.append(onnx.helper.make_opsetid("evil.ops", 1))
+
+
+@pytest.mark.parametrize("edit", [_foreign_domain, _foreign_domain_imported])
+@pytest.mark.parametrize("command", [["run", "--prompt", "hi"], ["parity", "--steps", "1"]])
+def test_node_in_an_unknown_domain_is_one_line_naming_it(served, capsys, edit, command):
+    art = served()
+    name = _graph_edit(art, edit)
+    code, out, err = main_inproc(capsys, command[0], art, *command[1:])
+    assert code == 2 and out == ""
+    assert one_error_line(err, "") == (
+        f"error: {art / 'model.onnx'}: node {name!r} (Concat) is in domain 'evil.ops', which "
+        "neither ONNX Runtime nor the model's functions define; rebuild the artifact"
+    )
+
+
+def test_graph_onnx_runtime_cannot_load_is_one_line(served, capsys):
+    def bad_axis(graph, node):
+        next(a for a in node.attribute if a.name == "axis").i = 99
+
+    art = served()
+    name = _graph_edit(art, bad_axis)
+    code, out, err = main_inproc(capsys, "run", art, "--prompt", "hi")
+    assert code == 2 and out == ""
+    assert one_error_line(err, "") == (
+        f"error: ONNX Runtime cannot load {art / 'model.onnx'}: Node ({name}) Op (Concat) "
+        "[ShapeInferenceError] axis must be in [-rank, rank-1].; rebuild the artifact"
+    )

@@ -29,9 +29,9 @@ def warn(message: str) -> None:
 
 
 def fmt_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB' (binary units up to GiB)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    """1536 -> '1.5 KiB' (binary units up to TiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError

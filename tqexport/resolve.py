@@ -61,6 +61,8 @@ class ModelDescription:
     config_digest: str = ""
     source: str = ""
     vocab_size: int = 0
+    #: weights estimated from the config (0: unknown); what loading them takes is checked
+    parameters: int = 0
 
     def identity(self) -> dict:
         return {

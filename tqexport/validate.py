@@ -176,31 +176,37 @@ def printable(text: object, keep_newlines: bool = False) -> str:
     return "".join(out)
 
 
-#: the largest --prompts-file read (a prompt longer than any model's context is pointless)
-MAX_PROMPTS_FILE_BYTES = 256 * 2**20
+#: the largest text file read (--prompts-file, --calibration-text, bench's --text-file): more
+#: than any model's context
+MAX_TEXT_FILE_BYTES = 256 * 2**20
 
 
-def prompts_file(path: Path) -> list[str]:
-    """The non-blank lines of a UTF-8 prompts file, or one error naming the file."""
+def text_file(path: Path, option: str) -> str:
+    """The text of the UTF-8 file ``option`` names, or one error naming both: missing, larger
+    than :data:`MAX_TEXT_FILE_BYTES`, not UTF-8, or blank."""
     if not path.is_file():
-        raise TQExportError(f"--prompts-file {path} not found")
+        raise TQExportError(f"{option} {path} not found")
     try:
         size = path.stat().st_size
-        if size > MAX_PROMPTS_FILE_BYTES:
+        if size > MAX_TEXT_FILE_BYTES:
             raise TQExportError(
-                f"--prompts-file {path} has {size} bytes, more than {MAX_PROMPTS_FILE_BYTES}"
+                f"{option} {path} has {size} bytes, more than {MAX_TEXT_FILE_BYTES}"
             )
         data = path.read_bytes()
     except OSError as e:
-        raise TQExportError(f"cannot read --prompts-file {path}: {e.strerror or e}") from None
+        raise TQExportError(f"cannot read {option} {path}: {e.strerror or e}") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise TQExportError(
-            f"--prompts-file {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
-            f"{e.start}); give one prompt per line in UTF-8"
+            f"{option} {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+            f"{e.start}); give a UTF-8 text file"
         ) from None
-    texts = [ln for ln in text.splitlines() if ln.strip()]
-    if not texts:
-        raise TQExportError(f"--prompts-file {path} has no prompts")
-    return texts
+    if not text.strip():
+        raise TQExportError(f"{option} {path} is empty; give a UTF-8 text file")
+    return text
+
+
+def prompts_file(path: Path) -> list[str]:
+    """The non-blank lines of a UTF-8 prompts file, or one error naming the file."""
+    return [ln for ln in text_file(path, "--prompts-file").splitlines() if ln.strip()]

@@ -15,6 +15,7 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqexport import validate
 from tqexport.errors import TQExportError
 
 
@@ -46,13 +47,7 @@ def pydoc_topics() -> EvalText:
 
 
 def file_text(path: Path) -> EvalText:
-    if not path.is_file():
-        raise TQExportError(f"--text-file {path} not found")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise TQExportError(f"--text-file {path} is not UTF-8 text") from None
-    return EvalText(str(path), text)
+    return EvalText(str(path), validate.text_file(path, "--text-file"))
 
 
 def chunk_tokens(tokens: list[int], chunk: int, max_chunks: int) -> list[list[int]]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import onnx
 import torch
 
+from tqexport import validate
 from tqexport.contract.files import MODEL_FILE, SPEC_FILE, WEIGHTS_FILE, write_manifest
 from tqexport.errors import TQExportError
 from tqexport.export.onnx import DEFAULT_OPSET, export_model
@@ -149,8 +150,7 @@ def calibrate_key_transforms(
 ) -> dict[int, transforms.KeyTransform]:
     """Every layer's fitted key transform (``signs`` alone needs no text); resolve attaches
     them to the layers it quantizes."""
-    calibrated = "center" in kinds or "smooth" in kinds
-    stats = key_statistics(lm, text) if calibrated else {}
+    stats = key_statistics(lm, text) if transforms.needs_text(kinds) else {}
     return {
         la.index: transforms.fit(
             kinds,
@@ -188,9 +188,16 @@ def _save_tokenizer(lm: LoadedModel, target: Path) -> None:
 
 def check_options(model: str, options: BuildOptions):
     """Validate options and resolve from the config only: bad input fails before weights load."""
-    parse_kv_scales(options.kv_scales)
-    if options.calibration_text is not None and not options.calibration_text.is_file():
-        raise TQExportError(f"--calibration-text {options.calibration_text} is not a file")
+    fixed_scale = parse_kv_scales(options.kv_scales)
+    kinds = transforms.parse_key_transform(options.key_transform)
+    if options.calibration_text is not None:
+        if fixed_scale is not None and not transforms.needs_text(kinds):
+            raise TQExportError(
+                "--calibration-text is read only by --kv-scales calibrate (and "
+                "--kv-key-transform center or smooth); add --kv-scales calibrate or drop "
+                "--calibration-text"
+            )
+        validate.text_file(options.calibration_text, "--calibration-text")
     desc = describe_model(model, options.dtype)
     resolve(
         desc,
@@ -200,7 +207,7 @@ def check_options(model: str, options: BuildOptions):
         block_size=options.block_size,
         recent_window=options.recent_window,
         sink_tokens=options.sink_tokens,
-        key_transform=transforms.parse_key_transform(options.key_transform),
+        key_transform=kinds,
     )
 
 
@@ -220,7 +227,9 @@ def resolve_spec(
         sink_tokens=options.sink_tokens,
         key_transform=kinds,
     )
-    own_text = options.calibration_text.read_text() if options.calibration_text else None
+    own_text = None
+    if options.calibration_text is not None:
+        own_text = validate.text_file(options.calibration_text, "--calibration-text")
     plain = resolve(lm.description, options.kv_cache_dtype, options.skip_layers, **kw)
     scales = fitted = None
     if fixed_scale is None:

@@ -55,6 +55,11 @@ def parse_key_transform(text: str) -> tuple[str, ...]:
     return tuple(k for k in KINDS if k in parts)
 
 
+def needs_text(kinds: tuple[str, ...]) -> bool:
+    """Whether fitting ``kinds`` reads calibration text (``signs`` alone needs none)."""
+    return "center" in kinds or "smooth" in kinds
+
+
 def key_transform_label(kinds: tuple[str, ...]) -> str:
     return "+".join(kinds) or NONE
 

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 from tqexport.errors import TQExportError
+from tqexport.kvquant.codecs import MAX_HEAD_SIZE
 from tqexport.models import builtins
 from tqexport.resolve import AttentionLayer, ModelDescription
-from tqexport.spec import config_digest
+from tqexport.spec import (
+    MAX_HEADS,
+    MAX_KV_HEADS,
+    MAX_LAYERS,
+    MAX_VOCAB_SIZE,
+    MAX_WINDOW,
+    config_digest,
+)
 
 #: transformers model_type -> architecture; tqexport hooks attention through transformers'
 #: attention registry, verified for these.
@@ -24,19 +35,123 @@ _SLIDING = {"sliding_attention", "sliding_window", "sliding"}
 _FULL = {"full_attention", "full", "attention"}
 
 
+#: bytes of a config.json read (real ones are a few KiB; 1024 layer types take ~20 KiB)
+MAX_CONFIG_BYTES = 1 << 24
+#: nesting of a config.json (real ones nest 3 levels: text_config, rope_scaling, a list)
+MAX_CONFIG_DEPTH = 32
+#: hidden and MLP widths (the widest models have ~50k); weight estimates multiply them
+MAX_WIDTH = 1 << 20
+#: config field -> (smallest, largest) value taken: the spec's own limits, checked before
+#: transformers or tqexport builds anything per layer (a 700-byte config can claim 10^7 layers)
+_SIZE_LIMITS = {
+    "num_hidden_layers": (1, MAX_LAYERS),
+    "num_attention_heads": (1, MAX_HEADS),
+    "num_key_value_heads": (1, MAX_KV_HEADS),
+    "head_dim": (1, MAX_HEAD_SIZE),
+    "hidden_size": (1, MAX_WIDTH),
+    "intermediate_size": (1, MAX_WIDTH),
+    "sliding_window": (0, MAX_WINDOW),
+    "vocab_size": (1, MAX_VOCAB_SIZE),
+}
+#: what a damaged config.json or GGUF header raises in json, transformers or gguf
+_READ_ERRORS = (OSError, ValueError, KeyError, IndexError, EOFError, OverflowError, struct.error)
+
+
+def check_sizes(values: Mapping, name: str) -> None:
+    """Refuse sizes outside :data:`_SIZE_LIMITS` (None: not given) and a head size above
+    ``MAX_HEAD_SIZE``: one line naming the field, before any per-layer work or allocation."""
+    for key, (lo, hi) in _SIZE_LIMITS.items():
+        v = values.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+            raise TQExportError(
+                f"{name}: config {key} must be an integer from {lo} to {hi} (tqexport's limit), "
+                f"got {v!r:.40}; is the config damaged?"
+            )
+    hidden, heads = values.get("hidden_size"), values.get("num_attention_heads")
+    if values.get("head_dim") is None and hidden and heads and hidden // heads > MAX_HEAD_SIZE:
+        raise TQExportError(
+            f"{name}: config hidden_size {hidden} / num_attention_heads {heads} is a head size of "
+            f"{hidden // heads}, more than {MAX_HEAD_SIZE} (tqexport's limit); is the config "
+            "damaged?"
+        )
+    types = values.get("layer_types")
+    if isinstance(types, list | tuple) and len(types) > MAX_LAYERS:
+        raise TQExportError(
+            f"{name}: config layer_types lists {len(types)} layers, more than {MAX_LAYERS} "
+            "(tqexport's limit); is the config damaged?"
+        )
+
+
+def _nesting(value, limit: int) -> bool:
+    """Whether ``value`` (parsed JSON) nests at most ``limit`` lists/objects deep."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return False
+        stack.extend((c, depth + 1) for c in children)
+    return True
+
+
+def check_config_dict(d, name: str) -> None:
+    """A raw config (config.json or GGUF metadata) before transformers sees it: an object,
+    nested at most :data:`MAX_CONFIG_DEPTH` deep, its sizes (and its text config's) bounded."""
+    if not isinstance(d, dict):
+        raise TQExportError(f"{name}: the config must be a JSON object, got {type(d).__name__}")
+    if not _nesting(d, MAX_CONFIG_DEPTH):
+        raise TQExportError(
+            f"{name}: the config nests lists/objects more than {MAX_CONFIG_DEPTH} deep; "
+            "is it damaged?"
+        )
+    check_sizes(d, name)
+    if isinstance(d.get("text_config"), dict):
+        check_sizes(d["text_config"], name)
+
+
+def _read_json(path: Path, name: str) -> dict:
+    """A config.json, parsed and checked (:func:`check_config_dict`)."""
+    with path.open("rb") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise TQExportError(f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MiB; not a config")
+    try:
+        d = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise TQExportError(
+            f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"
+        ) from None
+    except RecursionError:
+        raise TQExportError(f"{path} is not a config: its JSON nests too deeply") from None
+    except json.JSONDecodeError as e:
+        raise TQExportError(f"{path} is not valid JSON ({e})") from None
+    check_config_dict(d, name)
+    return d
+
+
+def _gguf_config(path: Path, name: str):
+    """A GGUF file's config: its metadata as transformers maps it, checked, then the config
+    class built from it as ``AutoConfig`` does (so the metadata is parsed once, not twice)."""
+    from transformers import CONFIG_MAPPING, PretrainedConfig
+
+    d, kwargs = PretrainedConfig.get_config_dict(str(path.parent), gguf_file=path.name)
+    check_config_dict(d, name)
+    if d.get("model_type") not in CONFIG_MAPPING:
+        raise TQExportError(f"{name}: GGUF architecture {d.get('model_type')!r} is unknown")
+    return CONFIG_MAPPING[d["model_type"]].from_dict(d, **kwargs)
+
+
 def load_config(model: str):
     """Config of MODEL: a built-in name, an HF directory, a config.json or a .gguf file.
 
-    Returns ``(config, source)``; nothing but the config (GGUF: its metadata) is read.
+    Returns ``(config, source)``; nothing but the config (GGUF: its metadata) is read, and its
+    sizes are checked (:func:`check_config_dict`) before transformers builds anything from it.
     """
-    from transformers import AutoConfig
-
-    if model == "smollm2":
-        path = builtins.smollm2_gguf()
-        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name), f"gguf:{path.name}"
     if model in builtins.TINY_CONFIGS:
         return builtins.tiny_config(model), f"builtin:{model}"
-    path = Path(model)
+    path = builtins.smollm2_gguf() if model == "smollm2" else Path(model)
     if not path.exists():
         names = ", ".join(builtins.BUILTIN_NAMES)
         raise TQExportError(
@@ -47,15 +162,26 @@ def load_config(model: str):
         if path.is_dir():
             if not (path / "config.json").is_file():
                 raise TQExportError(f"{path} has no config.json; is it a Hugging Face model dir?")
+            _read_json(path / "config.json", model)
+            from transformers import AutoConfig  # after the checks: importing it takes seconds
+
             return AutoConfig.from_pretrained(path), f"hf:{path.name}"
         if path.suffix == ".gguf":
-            return AutoConfig.from_pretrained(path.parent, gguf_file=path.name), f"gguf:{path.name}"
+            return _gguf_config(path, model), f"gguf:{path.name}"
         if path.suffix == ".json":
+            _read_json(path, model)
+            from transformers import AutoConfig
+
             return AutoConfig.from_pretrained(path), f"config:{path.name}"
-    except (OSError, ValueError, KeyError) as e:
-        if isinstance(e, TQExportError):
-            raise
+    except TQExportError:
+        raise
+    except _READ_ERRORS as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if path.suffix == ".gguf":
+            raise TQExportError(
+                f"cannot read the GGUF header of {model} ({first}); the file is truncated or "
+                "damaged, download it again"
+            ) from None
         raise TQExportError(f"cannot read the config of {model}: {first}") from None
     raise TQExportError(f"{model}: expected a directory, a config.json or a .gguf file")
 
@@ -69,6 +195,7 @@ def describe_config(config, name: str, source: str = "", dtype: str | None = Non
         raise TQExportError(
             f"unsupported architecture {model_type!r} ({name}); tqexport supports: {supported}"
         )
+    check_sizes({k: getattr(cfg, k, None) for k in (*_SIZE_LIMITS, "layer_types")}, name)
     n_layers = cfg.num_hidden_layers
     heads = cfg.num_attention_heads
     head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -80,7 +207,13 @@ def describe_config(config, name: str, source: str = "", dtype: str | None = Non
     if len(types) != n_layers:
         raise TQExportError(f"{name}: config lists {len(types)} layer types for {n_layers} layers")
     if model_type in _SCALAR_QUERY_SCALE_TYPES:
-        scale = float(cfg.query_pre_attn_scalar) ** -0.5
+        scalar = cfg.query_pre_attn_scalar
+        if isinstance(scalar, bool) or not isinstance(scalar, int | float) or not scalar > 0:
+            raise TQExportError(
+                f"{name}: config query_pre_attn_scalar must be a positive number, got "
+                f"{scalar!r:.40}"
+            )
+        scale = float(scalar) ** -0.5
     else:
         scale = float(head_size) ** -0.5
     softcap = getattr(cfg, "attn_logit_softcapping", None)
@@ -124,7 +257,19 @@ def describe_config(config, name: str, source: str = "", dtype: str | None = Non
         ),
         source=source,
         vocab_size=int(getattr(cfg, "vocab_size", 0) or 0),
+        parameters=_parameters(cfg, int(heads), int(kv_heads), int(head_size)),
     )
+
+
+def _parameters(cfg, heads: int, kv_heads: int, head_size: int) -> int:
+    """The weights of a Llama-like decoder, from its config: embeddings (and an untied head),
+    and per layer the q/k/v/o projections and a gated MLP (norms and biases left out)."""
+    hidden = cfg.hidden_size
+    mlp = 3 * hidden * (getattr(cfg, "intermediate_size", 0) or 0)
+    attention = 2 * hidden * head_size * (heads + kv_heads)
+    vocab = (getattr(cfg, "vocab_size", 0) or 0) * hidden
+    tied = getattr(cfg, "tie_word_embeddings", False)
+    return cfg.num_hidden_layers * (attention + mlp) + vocab * (1 if tied else 2)
 
 
 def describe_model(model: str, dtype: str | None = None) -> ModelDescription:

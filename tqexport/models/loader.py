@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from tqexport import validate
 from tqexport.errors import TQExportError
 from tqexport.kvquant.codecs import MODEL_DTYPES
 from tqexport.models import builtins
@@ -90,6 +91,23 @@ def _checkpoint_files(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
 
 
+def check_memory(desc: ModelDescription) -> None:
+    """Refuse, before any allocation, a model whose weights (estimated from its config at the
+    model dtype) exceed this machine's memory: loading would swap or be killed."""
+    from tqexport.console import fmt_bytes
+
+    need = desc.parameters * MODEL_DTYPES[desc.dtype].itemsize
+    limit = validate.physical_memory()
+    if limit is not None and need > limit:
+        half = desc.dtype == "float32" and need // 2 <= limit
+        smaller = "; try --dtype float16" if half else "; use a smaller model or a larger machine"
+        raise TQExportError(
+            f"{desc.name}: its weights take about {fmt_bytes(need)} as {desc.dtype} "
+            f"({desc.parameters:,} parameters by its config), more than this machine's "
+            f"{fmt_bytes(limit)} of memory{smaller}"
+        )
+
+
 def load_model(name: str, dtype: str | None = None) -> LoadedModel:
     """Load MODEL for export: weights, tokenizer, generation config, and its description."""
     from transformers import AutoModelForCausalLM
@@ -98,6 +116,7 @@ def load_model(name: str, dtype: str | None = None) -> LoadedModel:
     desc = describe_config(
         config, name if name in builtins.BUILTIN_NAMES else Path(name).name, source, dtype
     )
+    check_memory(desc)
     torch_dtype = MODEL_DTYPES[desc.dtype]
     if name in builtins.TINY_CONFIGS:
         torch.manual_seed(TINY_SEED)

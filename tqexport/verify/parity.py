@@ -33,7 +33,7 @@ from tqexport.models.paged import PagedCausalLM
 from tqexport.native.library import choose as choose_kernels
 from tqexport.ops import reference
 from tqexport.ops.attributes import CACHE_WRITE, DOMAIN, PAGED_ATTENTION, attention_segments
-from tqexport.runtime.backends.ort import providers
+from tqexport.runtime.backends.ort import check_ops, providers
 from tqexport.runtime.backends.torch import load_source_model
 from tqexport.spec import ModelSpec, block_tables_name, slot_mapping_name
 
@@ -79,6 +79,7 @@ class _TapSession:
     """ORT session over the artifact with every tqexport node's q/k/v and output exposed."""
 
     def __init__(self, artifact: Artifact, threads: int | None = None, kernels: str = "auto"):
+        check_ops(artifact.model_file)
         self.kernels = choose_kernels(artifact.spec, kernels)
         model = onnx.load(str(artifact.model_file))
         self.taps: dict[tuple[int, str], str] = {}

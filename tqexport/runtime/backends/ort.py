@@ -12,6 +12,7 @@ copies every step (the reference the in-place path is tested against).
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import torch
 
@@ -43,6 +44,34 @@ _LEVELS = {
     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
+
+
+#: node domains ONNX Runtime implements (ONNX's own, ONNX-ML, its contrib ops); any other
+#: node must call one of the model's local functions (tqexport's ops do)
+ORT_DOMAINS = ("", "ai.onnx", "ai.onnx.ml", "com.microsoft")
+
+
+def check_ops(model_file) -> None:
+    """Refuse a graph with a node ONNX Runtime cannot resolve (an unknown domain, no local
+    function of that name): one line naming the node and its domain instead of ORT's error."""
+    model = onnx.load(str(model_file), load_external_data=False)
+    functions = {(f.domain, f.name, f.overload) for f in model.functions}
+    graphs, nodes = [model.graph], [n for f in model.functions for n in f.node]
+    while graphs or nodes:
+        if graphs:
+            nodes.extend(graphs.pop().node)
+            continue
+        node = nodes.pop()
+        if node.domain not in ORT_DOMAINS and (
+            (node.domain, node.op_type, node.overload) not in functions
+        ):
+            raise TQExportError(
+                f"{model_file}: node {node.name[:80]!r} ({node.op_type[:80]}) is in domain "
+                f"{node.domain[:80]!r}, which neither ONNX Runtime nor the model's functions "
+                "define; rebuild the artifact"
+            )
+        for a in node.attribute:
+            graphs.extend([a.g] * a.HasField("g") + list(a.graphs))
 
 
 def providers() -> list[str]:
@@ -108,6 +137,7 @@ class OrtBackend:
         self.spec = artifact.spec
         self.in_place = in_place
         self.device = device
+        check_ops(artifact.model_file)
         opts = session_options(threads, **(options or {}))
         if device == "cpu":
             self.kernel_choice = choose_kernels(artifact.spec, kernels)
@@ -117,9 +147,18 @@ class OrtBackend:
             self.kernel_choice = KernelChoice("bodies", None, "function bodies (CUDA provider)")
         if self.kernel_choice.library is not None:
             opts.register_custom_ops_library(str(self.kernel_choice.library))
-        self.session = ort.InferenceSession(
-            str(artifact.model_file), opts, providers=session_providers
-        )
+        try:
+            self.session = ort.InferenceSession(
+                str(artifact.model_file), opts, providers=session_providers
+            )
+        except Exception as e:  # onnxruntime's own types (Fail, InvalidGraph, ...)
+            first = (str(e).strip().splitlines() or [""])[0]
+            if not type(e).__module__.startswith("onnxruntime") or " failed:" not in first:
+                raise  # not the graph: a provider or the machine
+            raise TQExportError(
+                f"ONNX Runtime cannot load {artifact.model_file}: "
+                f"{first.split(' failed:', 1)[1].strip()}; rebuild the artifact"
+            ) from None
         self.input_names = [i.name for i in self.session.get_inputs()]
         host = {n: t.numpy() for n, t in allocate_caches(self.spec, num_blocks).items()}
         #: cache input name -> its buffer as an OrtValue on ``device`` (CPU: wraps ``caches``)
