@@ -38,9 +38,9 @@ inline float exp_neg(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  int32_t bits;
+  uint32_t bits;  // p * 2^n: n added to the exponent field (unsigned: wraps, never UB)
   std::memcpy(&bits, &p, 4);
-  bits += static_cast<int32_t>(n) << 23;
+  bits += static_cast<uint32_t>(static_cast<int32_t>(n)) << 23;
   std::memcpy(&p, &bits, 4);
   return x <= -87.0f ? 0.0f : p;
 }

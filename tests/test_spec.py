@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from tqexport.errors import TQExportError
 from tqexport.kvquant.codecs import make_codec
-from tqexport.kvquant.modes import KVQuantMode, kv_cache_dtype_names
+from tqexport.kvquant.modes import KVQuantMode, kv_cache_dtype_names, quant_mode_of
 from tqexport.resolve import resolve
 from tqexport.spec import (
     SCHEMA_VERSION,
@@ -140,7 +140,8 @@ def model_specs(draw):
         kv_heads=draw(st.integers(1, 8)),
         dtype=draw(st.sampled_from(["float32", "float16", "bfloat16"])),
     )
-    recent = draw(st.sampled_from([0, 0, 8, 32]))
+    # a recent window only for a quantized dtype (resolve refuses one that has no effect)
+    recent = draw(st.sampled_from([0, 0, 8, 32])) if quant_mode_of(dtype).is_quantized else 0
     return resolve(
         desc,
         dtype,
