@@ -244,12 +244,12 @@ def bench_report(
     llama.cpp, then the TurboQuant presets with recent windows 32 and 128. Speed: auto, fp8
     and turboquant_4bit_nc, the last also with a 32-token recent window."""
     from tqexport.bench import report, speed_report
+    from tqexport.bench.speed import parse_kernels
     from tqexport.kvquant.modes import parse_kv_cache_dtype
 
     validate.integer(chunks, "--chunks", 1, matrix.MAX_BENCH_CHUNKS)
-    run_speed = matrix.plan_speed(
-        model, None, contexts, batches, 4, DEFAULT_KV_CACHE_MEMORY, workdir, "0,32", kernels
-    )
+    matrix.speed_args(contexts, batches, 4, "0,32")
+    parse_kernels(kernels)
     peer_speed = None
     if peer_speed_json is not None:
         try:
@@ -259,6 +259,9 @@ def bench_report(
                 f"--peer-speed-json {peer_speed_json} is not the output of "
                 "`benchmarks/peers_speed.py --json`"
             ) from None
+    run_speed = matrix.plan_speed(  # checked before the quality runs
+        model, None, contexts, batches, 4, DEFAULT_KV_CACHE_MEMORY, workdir, "0,32", kernels
+    )
     if quality_json:
         parts = []
         for path in quality_json:
