@@ -9,17 +9,23 @@ GenAI, ``'.[peers]'`` for llama.cpp):
 - llama.cpp (llama-cpp-python) on the GGUF itself, f16 / q8_0 / q4_0 K and V caches, flash
   attention, batch 1 (its Python API decodes one sequence).
 - tqexport: the artifacts of ``tqexport bench speed`` (built once into ``--workdir``): B
-  sequences with C cached tokens, single-token decode steps.
+  sequences with C cached tokens, single-token decode steps, under every ``--kernels`` choice
+  (systems ``tqexport fp8 [native]``, ``tqexport fp8 [bodies]``).
 
 For each (context, batch) point every system takes one warm-up step, then step s of every
 system runs before step s + 1 of any, so a loaded machine slows them alike; the fastest step
-counts. Compare ratios measured in the same run, not absolute numbers across runs.
+counts. Compare ratios measured in the same run, not absolute numbers across runs. The JSON also
+records the load average before and after each point, what ran tqexport's layers, both systems'
+ORT session options and how they differ (GenAI gets ``--threads`` and, with ``--genai-spinning
+same``, tqexport's spinning through a genai_config overlay where its version takes one), and
+each system's footprint (weights on disk, KV bytes per token) for the bytes each step reads.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -28,9 +34,21 @@ from pathlib import Path
 
 import numpy as np
 
-from tqexport.bench.speed import artifact_for
+from tqexport.bench import bounds, sessions
+from tqexport.bench.speed import (
+    artifact_for,
+    kernel_label,
+    load_average,
+    parse_kernels,
+    run_kernels,
+    split_label,
+)
+from tqexport.console import error_exit
 from tqexport.contract.steps import SeqChunk, build_step
-from tqexport.runtime.backends.ort import OrtBackend
+from tqexport.errors import TQExportError
+from tqexport.runtime.backends.ort import DEFAULT_OPTIONS, OrtBackend, session_summary
+
+GENAI = "ORT GenAI fp32"
 
 
 def hf_dir(model: str, out: Path) -> Path:
@@ -73,6 +91,34 @@ def genai_model_dir(model: str, workdir: Path) -> Path:
     return out
 
 
+def open_genai(model_dir: Path, threads: int, spinning: bool | None):
+    """GenAI's model on the CPU with its decoder session set to ``threads`` and ``spinning``
+    (None: GenAI's own) where this GenAI takes the overlay, else as much of it as it takes:
+    (model, the overlay applied, why a part was dropped or None)."""
+    import onnxruntime_genai as og
+
+    note = None
+    tries = [sessions.genai_overlay(threads, spinning), sessions.genai_overlay(threads, None), {}]
+    for overlay in [t for i, t in enumerate(tries) if t not in tries[:i]]:
+        cfg = og.Config(str(model_dir))
+        cfg.clear_providers()  # CPU
+        try:
+            if overlay:
+                cfg.overlay(json.dumps(overlay))
+            return og.Model(cfg), overlay, note
+        except (AttributeError, RuntimeError) as e:  # no Config.overlay, or an unknown key
+            note = f"this GenAI refused the overlay {json.dumps(overlay)}: {e}"
+    raise RuntimeError(note)
+
+
+def genai_session_record(ours: dict, genai_config: dict, overlay: dict, note: str | None):
+    """GenAI's session options as run (its genai_config.json with the overlay applied), the
+    overlay, how they differ from tqexport's ``ours``, and why part of the overlay was dropped."""
+    theirs = sessions.genai_session(sessions.merged(genai_config, overlay), os.cpu_count() or 1)
+    return {GENAI: theirs, "genai_overlay": overlay,
+            "differences": sessions.differences(ours, theirs), "note": note}  # fmt: skip
+
+
 class GenAI:
     """One GenAI generator holding ``batch`` prompts of ``context`` tokens."""
 
@@ -113,10 +159,10 @@ class LlamaCpp:
 
 
 class Tqexport:
-    def __init__(self, art, context: int, batch: int, steps: int, threads):
+    def __init__(self, art, context: int, batch: int, steps: int, threads, kernels: str):
         spec = art.spec
         per_seq = -(-(context + steps + 2) // spec.block_size)
-        self.backend = OrtBackend(art, 1 + batch * per_seq, threads)
+        self.backend = OrtBackend(art, 1 + batch * per_seq, threads, kernels=kernels)
         self.spec, self.pos = spec, context
         self.tables = [
             [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))] * len(spec.groups)
@@ -128,7 +174,7 @@ class Tqexport:
         self.pos += 1
 
 
-def main():
+def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--contexts", default="256,1024,4096")
@@ -138,11 +184,23 @@ def main():
         default="auto,fp8,turboquant_4bit_nc,turboquant_4bit_nc:32",
         help="tqexport kv dtypes; DTYPE:N adds a recent window of N",
     )
+    ap.add_argument(
+        "--kernels",
+        default="auto,bodies",
+        help="tqexport kernel choices, comma-separated: native, bodies, auto (native where the "
+        "native kernels serve every artifact, else bodies)",
+    )
     ap.add_argument("--llama-kv", default="f16,q8_0,q4_0")
     ap.add_argument("--no-genai", action="store_true")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--genai-spinning",
+        choices=("same", "default"),
+        default="same",
+        help="GenAI's idle intra-op threads: spin as tqexport's do (same) or as GenAI sets",
+    )
     ap.add_argument(
         "--max-cached-tokens",
         type=int,
@@ -158,19 +216,22 @@ def main():
     ap.add_argument("--workdir", type=Path, default=Path("out/bench"))
     ap.add_argument("--peer-workdir", type=Path, default=Path("out/peers"))
     ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    asked = parse_kernels(args.kernels)
     configs = {}
     for d in args.dtypes.split(","):
         name, _, window = d.partition(":")
         label = f"{name} recent {window}" if window else name
         configs[label] = artifact_for(args.model, name, args.workdir, int(window or 0))
-    genai = None
+    kernels = run_kernels(asked, {n: a.spec for n, a in configs.items()})
+    footprint = {f"tqexport {n}": bounds.artifact_footprint(a) for n, a in configs.items()}
+    spinning = DEFAULT_OPTIONS["allow_spinning"] if args.genai_spinning == "same" else None
+    genai, genai_dir, overlay, note = None, None, {}, None
     if not args.no_genai:
-        import onnxruntime_genai as og
-
-        cfg = og.Config(str(genai_model_dir(args.model, args.peer_workdir)))
-        cfg.clear_providers()  # CPU
-        genai = og.Model(cfg)
+        genai_dir = genai_model_dir(args.model, args.peer_workdir)
+        genai, overlay, note = open_genai(genai_dir, args.threads, spinning)
+        genai_config = json.loads((genai_dir / "genai_config.json").read_text())
+        footprint[GENAI] = bounds.genai_footprint(genai_dir, genai_config)
     gguf = None
     if not args.no_llama:
         from tqexport.bench import peers
@@ -178,54 +239,84 @@ def main():
         gguf = peers.gguf_path(args.model) if peers.available() else None
         if gguf is None:
             print("llama.cpp: not installed (pip install -e '.[peers]'), skipped", flush=True)
-    rows = []
+        else:
+            elements = bounds.kv_elements_per_token(next(iter(configs.values())).spec)
+            for kv in args.llama_kv.split(","):
+                footprint[f"llama.cpp {kv}"] = bounds.gguf_footprint(
+                    gguf, elements, peers.KV_TYPES[kv]
+                )
+    rows, ran, ours_session = [], {}, None
+    run_before = load_average()
     for c in (int(x) for x in args.contexts.split(",")):
         for b in (int(x) for x in args.batches.split(",")):
             if b * c > args.max_cached_tokens:
                 continue
             systems = {
-                f"tqexport {n}": Tqexport(a, c, b, args.steps, args.threads)
+                f"tqexport {kernel_label(n, k)}": Tqexport(a, c, b, args.steps, args.threads, k)
+                for k in kernels
                 for n, a in configs.items()
             }
             if genai is not None and b * c <= args.peer_max_cached_tokens:
-                systems["ORT GenAI fp32"] = GenAI(genai, c, b, args.steps)
+                systems[GENAI] = GenAI(genai, c, b, args.steps)
             if gguf is not None and b == 1:
                 for kv in args.llama_kv.split(","):
                     systems[f"llama.cpp {kv}"] = LlamaCpp(gguf, kv, c, args.threads)
+            for n, sys_ in systems.items():
+                if isinstance(sys_, Tqexport):
+                    choice = sys_.backend.kernel_choice
+                    config = split_label(n.removeprefix("tqexport "))[0]
+                    what = {"configuration": config, "kernels": choice.kernels}
+                    ran.setdefault(n, {**what, "reason": choice.reason})
+                    ours_session = ours_session or session_summary(
+                        sys_.backend.session.get_session_options()
+                    )
             times = {n: [] for n in systems}
+            before = load_average()
             for _ in range(args.steps + 1):
                 for n, sys_ in systems.items():
                     t0 = time.perf_counter()
                     sys_.step()
                     times[n].append(time.perf_counter() - t0)
+            after = load_average()
             tps = {n: b / min(t[1:]) for n, t in times.items()}
-            rows.append({"context": c, "batch": b, "tokens_per_second": tps})
+            rows.append({"context": c, "batch": b, "tokens_per_second": tps,
+                         "loadavg": {"before": before, "after": after}})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
             del systems
-    print_table(rows)
+    print_table(rows, kernels)
     if args.json:
         versions = {"onnxruntime": metadata.version("onnxruntime")}
         if genai is not None:
             versions["onnxruntime-genai"] = metadata.version("onnxruntime-genai")
         if gguf is not None:
             versions["llama-cpp-python"] = metadata.version("llama-cpp-python")
-        command = " ".join(["benchmarks/peers_speed.py", *sys.argv[1:]])
+        session = {"tqexport": ours_session}
+        if genai is not None:
+            session.update(genai_session_record(ours_session, genai_config, overlay, note))
+        command = " ".join(["benchmarks/peers_speed.py", *(sys.argv[1:] if argv is None else argv)])
         result = {"command": command, "versions": versions, "threads": args.threads,
-                  "steps": args.steps, "decode": rows}  # fmt: skip
+                  "steps": args.steps, "kernels": kernels,
+                  "kernels_requested": asked, "systems": ran,
+                  "session_options": session, "footprint": footprint,
+                  "loadavg": {"before": run_before, "after": load_average()},
+                  "decode": rows}  # fmt: skip
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 
 
-def print_table(rows):
+def print_table(rows, kernels):
     names = list(dict.fromkeys(n for r in rows for n in r["tokens_per_second"]))
-    ref = "ORT GenAI fp32"
-    print("| context | batch | " + " | ".join(names) + " | tqexport auto / GenAI |")
+    auto = f"tqexport {kernel_label('auto', kernels[0])}"
+    print("| context | batch | " + " | ".join(names) + f" | {auto} / GenAI |")
     print("|---" * (len(names) + 3) + "|")
     for r in rows:
         t = r["tokens_per_second"]
-        ratio = f"{t['tqexport auto'] / t[ref]:.2f}x" if ref in t and "tqexport auto" in t else "-"
+        ratio = f"{t[auto] / t[GENAI]:.2f}x" if GENAI in t and auto in t else "-"
         cells = [f"{t[n]:.1f}" if n in t else "-" for n in names]
         print(f"| {r['context']} | {r['batch']} | " + " | ".join(cells) + f" | {ratio} |")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except TQExportError as e:  # bad input: one line, as the CLI says it
+        error_exit(str(e))

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from tqexport.bench import evaltext, quality, report
+from tqexport.bench import evaltext, quality, report, speed_report
 from tqexport.bench.metrics import Totals
 from tqexport.errors import TQExportError
 from tqexport.kvquant.codecs import make_codec
@@ -207,13 +207,14 @@ def test_speed_measures_every_artifact_and_memory_from_the_spec(artifacts):
     from tqexport.runtime.memory import block_bytes
 
     arts = {d: open_artifact(artifacts("tiny-llama", d)) for d in ("auto", "fp8")}
-    res = speed.measure(arts, [16, 40], [1, 3], steps=2, budget="1MiB")
+    res = speed.measure(arts, [16, 40], [1, 3], steps=2, budget="1MiB", kernels=["bodies"])
     assert [(r["context"], r["batch"]) for r in res["decode"]] == [(16, 1), (16, 3), (40, 1),
                                                                    (40, 3)]  # fmt: skip
     for r in res["decode"]:
-        assert r["speed_vs_auto"]["auto"] == 1.0
-        assert r["tokens_per_second"]["fp8"] == pytest.approx(1000 * r["batch"] /
-                                                              r["ms_per_step"]["fp8"])  # fmt: skip
+        assert r["speed_vs_auto"]["auto [bodies]"] == 1.0
+        assert r["tokens_per_second"]["fp8 [bodies]"] == pytest.approx(
+            1000 * r["batch"] / r["ms_per_step"]["fp8 [bodies]"]
+        )
     mem = {m["label"]: m for m in res["memory"]}
     for d, art in arts.items():
         assert mem[d]["resident_tokens"] == (2**20 // block_bytes(art) - 1) * 16
@@ -233,6 +234,15 @@ def test_speed_measures_every_artifact_and_memory_from_the_spec(artifacts):
         (["quality", "tiny-llama", "--chunks", "1", "--no-peer"], "has no tokenizer"),
         (["speed", "smollm2", "--contexts", "1k"], "--contexts must be positive integers"),
         (["speed", "smollm2", "--budget", "lots"], "--budget: cannot read"),
+        (
+            ["speed", "smollm2", "--kernels", "native,foo"],
+            "--kernels must be one of auto, native, bodies, got 'foo'",
+        ),
+        (["speed", "smollm2", "--kernels", " , "], "--kernels needs one or more of auto, native"),
+        (
+            ["report", "smollm2", "-o", "out/never", "--kernels", "bodeis"],
+            "--kernels must be one of auto, native, bodies, got 'bodeis'",
+        ),
         (
             ["report", "smollm2", "-o", "out/never", "--peer-speed-json", "pyproject.toml"],
             "--peer-speed-json pyproject.toml is not the output of",
@@ -354,7 +364,7 @@ def _peer_speed():
 
 
 def test_peer_speed_goals_are_ratios_within_the_run():
-    got = [(g["met"], g["detail"]) for g in report.peer_speed_goals(_peer_speed())]
+    got = [(g["met"], g["detail"]) for g in speed_report.peer_speed_goals(_peer_speed())]
     assert got == [
         (True, "3.60x: batch 8 / batch 1 = 72.0 / 20.0 tokens/s"),
         (False, "3.00x: batch 8 / batch 1 = 36.0 / 12.0 tokens/s"),
@@ -362,18 +372,19 @@ def test_peer_speed_goals_are_ratios_within_the_run():
         (True, "0.50x: this / auto = 5.0 / 10.0 tokens/s"),
         (True, "0.83x: auto / GenAI = 20.0 / 24.0 tokens/s"),
         (True, "0.90x: auto / GenAI = 72.0 / 80.0 tokens/s"),
+        (None, "not measured: this run has no [native] rows (run it with --kernels native,bodies)"),
     ]
     partial = _peer_speed()
     partial["decode"] = partial["decode"][:1]  # no batch 8, no 4096
-    assert [g["met"] for g in report.peer_speed_goals(partial)] == [
-        None, None, None, None, True, None
+    assert [g["met"] for g in speed_report.peer_speed_goals(partial)] == [
+        None, None, None, None, True, None, None
     ]  # fmt: skip
 
 
 def test_report_renders_a_peer_speed_run(tmp_path):
     path = tmp_path / "peers.json"
     path.write_text(json.dumps(_peer_speed()))
-    ps = report.read_peer_speed(path)
+    ps = speed_report.read_peer_speed(path)
     results = {"model": "m", "command": "c", "rows": [], "quality": None, "peer": None,
                "peer_note": None, "peer_speed": ps, "goals": report.goals([], None, (), ps),
                "machine": dict.fromkeys(["cpu", "cores", "memory_gib", "os", "python", "torch",
@@ -388,4 +399,4 @@ def test_report_renders_a_peer_speed_run(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"threads": 2, "steps": 4, "decode": [{"context": 1}]}))
     with pytest.raises(ValueError, match="not a peer-speed run"):
-        report.read_peer_speed(bad)
+        speed_report.read_peer_speed(bad)

@@ -150,6 +150,14 @@ def bench_speed(
     recent_window: Annotated[
         str, typer.Option(help="--kv-recent-window values per quantized dtype, e.g. 0,32.")
     ] = "0",
+    kernels: Annotated[
+        str,
+        typer.Option(
+            help="Kernel choices to measure every configuration under, comma-separated: "
+            "native, bodies, auto (native when the native kernels serve every artifact, else "
+            "bodies); labels say which ran, e.g. fp8 [native]."
+        ),
+    ] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ):
     """Decode tokens/s vs context and batch per kv dtype on ONNX Runtime CPU; KV memory."""
@@ -162,8 +170,9 @@ def bench_speed(
                     "build per dtype"
                 )
     speed = matrix.run_speed(
-        target, kv_cache_dtype, contexts, batches, steps, budget, workdir, _say, recent_window
-    )
+        target, kv_cache_dtype, contexts, batches, steps, budget, workdir, _say, recent_window,
+        kernels,
+    )  # fmt: skip
     if as_json:
         print(json.dumps(speed, indent=2))
         return
@@ -171,18 +180,19 @@ def bench_speed(
 
 
 def _print_speed(speed: dict) -> None:
-    names = list(speed["decode"][0]["ms_per_step"])
-    t = Table(title="decode on ONNX Runtime CPU (ratios to auto measured in the same run)")
-    for col in ("context", "batch", *[f"{n} tok/s" for n in names],
-                *[f"{n} vs auto" for n in names[1:]]):  # fmt: skip
+    """The decode table (a row per kernel choice), what ran, and, for a run that recorded its
+    kernels, the native-kernel goals."""
+    from tqexport.bench import speed_report
+
+    header, rows = speed_report.speed_table(speed)
+    t = Table(title="decode on ONNX Runtime CPU (ratios measured in the same run)")
+    for col in header:
         t.add_column(col, justify="right")
-    for r in speed["decode"]:
-        t.add_row(
-            str(r["context"]), str(r["batch"]),
-            *[f"{r['tokens_per_second'][n]:.1f}" for n in names],
-            *[f"{r['speed_vs_auto'][n]:.2f}x" for n in names[1:]],
-        )  # fmt: skip
+    for r in rows:
+        t.add_row(*r)
     console.print(t)
+    for note in speed_report.speed_notes(speed):
+        console.print(printable(note))
     m = Table(title=printable(f"KV memory at a {speed['budget']} budget"))
     for col in ("kv dtype", "KV bytes/token", "resident tokens", "vs auto", "bytes ratio"):
         m.add_column(col, justify="right")
@@ -192,6 +202,14 @@ def _print_speed(speed: dict) -> None:
             f"{x['resident_vs_auto']:.3f}x", f"{x['bytes_ratio_auto_over_this']:.3f}x",
         )  # fmt: skip
     console.print(m)
+    if speed.get("kernels"):
+        _print_goals(speed_report.speed_goals(speed))
+
+
+def _print_goals(goals: list[dict]) -> None:
+    for g in goals:
+        verdict = {True: "MET", False: "NOT MET", None: "NOT MEASURED"}[g["met"]]
+        console.print(printable(f"{g['goal']}: {verdict} ({g['detail']})"))
 
 
 @bench_app.command("report", cls=Command)
@@ -220,13 +238,21 @@ def bench_report(
             "GenAI and llama.cpp): its section, plot and goals."
         ),
     ] = None,
+    kernels: Annotated[
+        str,
+        typer.Option(
+            help="Kernel choices of the speed section (as `bench speed --kernels`); auto,bodies "
+            "measures the native kernels against the function bodies where they are built."
+        ),
+    ] = "auto,bodies",
 ):
     """Quality + speed side by side: report.md, PNG plots and results.json in OUT.
 
     Quality: every kv dtype (TurboQuant with and without boundary protection) against
     llama.cpp, then the TurboQuant presets with recent windows 32 and 128. Speed: auto, fp8
     and turboquant_4bit_nc, the last also with a 32-token recent window."""
-    from tqexport.bench import report
+    from tqexport.bench import report, speed_report
+    from tqexport.bench.speed import parse_kernels
     from tqexport.kvquant.modes import parse_kv_cache_dtype
 
     validate.integer(chunks, "--chunks", 1, matrix.MAX_BENCH_CHUNKS)
@@ -236,15 +262,19 @@ def bench_report(
             "are); drop one"
         )
     matrix.speed_args(contexts, batches, 4, "0,32")
+    parse_kernels(kernels)
     peer_speed = None
     if peer_speed_json is not None:
         try:
-            peer_speed = report.read_peer_speed(peer_speed_json)
+            peer_speed = speed_report.read_peer_speed(peer_speed_json)
         except (OSError, ValueError):
             raise TQExportError(
                 f"--peer-speed-json {peer_speed_json} is not the output of "
                 "`benchmarks/peers_speed.py --json`"
             ) from None
+    run_speed = matrix.plan_speed(  # checked before the quality runs
+        model, None, contexts, batches, 4, DEFAULT_KV_CACHE_MEMORY, workdir, "0,32", kernels
+    )
     if quality_json:
         parts = []
         for path in quality_json:
@@ -266,9 +296,7 @@ def bench_report(
             parts.append({"quality": ours, "peer": peer_result, "peer_note": note})
     main, *windows = [report.quality_section(g, model) for g in report.split_by_chunking(parts)]
     ours, peer_result, note, rows = (main[k] for k in ("quality", "peer", "peer_note", "rows"))
-    speed = matrix.run_speed(
-        model, None, contexts, batches, 4, DEFAULT_KV_CACHE_MEMORY, workdir, _say, "0,32"
-    )
+    speed = run_speed(_say)
     results = {
         "model": model,
         "command": "tqexport bench report " + " ".join(sys.argv[3:]),
@@ -287,7 +315,5 @@ def bench_report(
     for sec in windows:
         _print_quality(sec["quality"], sec["rows"], sec["peer_note"])
     _print_speed(speed)
-    for g in results["goals"]:
-        verdict = {True: "MET", False: "NOT MET", None: "NOT MEASURED"}[g["met"]]
-        console.print(printable(f"{g['goal']}: {verdict} ({g['detail']})"))
+    _print_goals(results["goals"])
     console.print(printable("wrote " + ", ".join(str(f) for f in files)))

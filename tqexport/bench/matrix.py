@@ -172,9 +172,12 @@ def is_artifact(target) -> bool:
     return Path(target).is_dir() and (Path(target) / SPEC_FILE).is_file()
 
 
-def run_speed(target, dtypes, contexts, batches, steps, budget, workdir, say: Say, recent="0"):
-    """Decode speed and KV memory per dtype (and recent window); ``target`` is a model, whose
-    artifacts are built or reused under ``workdir``, or one artifact (compared with auto)."""
+def plan_speed(target, dtypes, contexts, batches, steps, budget, workdir, recent="0",
+               kernels="auto") -> Callable[[Say], dict]:  # fmt: skip
+    """Every input of a speed run checked (dtypes, grid, budget, memory, kernel choices) before
+    anything is built or run; returns the run: ``run(say)`` builds or reuses the artifacts and
+    measures them. ``target`` is a model, whose artifacts are built or reused under
+    ``workdir``, or one artifact (compared with auto)."""
     from tqexport.bench import speed
     from tqexport.contract.artifact import open_artifact
     from tqexport.kvquant.modes import parse_kv_cache_dtype
@@ -182,12 +185,15 @@ def run_speed(target, dtypes, contexts, batches, steps, budget, workdir, say: Sa
 
     ctx, bat, windows = speed_args(contexts, batches, steps, recent)
     parse_memory(budget, "--budget")
+    asked = speed.parse_kernels(kernels)
     if is_artifact(target):
         art = open_artifact(target)
         check_speed_memory(art.spec, str(target), ctx, bat, steps)
         name = art.spec.request["kv_cache_dtype"]
-        arts = {"auto": speed.artifact_for(art.spec.model["path"], "auto", workdir)}
-        arts[name] = art
+        speed.run_kernels(asked, {name: art.spec})
+
+        def build(say: Say) -> dict:
+            return {"auto": speed.artifact_for(art.spec.model["path"], "auto", workdir), name: art}
     else:
         from tqexport.models.config import describe_model
         from tqexport.resolve import resolve
@@ -197,15 +203,35 @@ def run_speed(target, dtypes, contexts, batches, steps, budget, workdir, say: Sa
         for n in names:  # every name and combination first: nothing is built for a typo
             parse_kv_cache_dtype(n)
         desc = describe_model(target)
-        plans = {}
+        plans, specs = {}, {}
         for n in names:
             for w in windows if parse_kv_cache_dtype(n).mode.is_quantized else [0]:
                 label = f"{n} recent {w}" if w else n
                 plans[label] = (n, w)
-                spec = resolve(desc, n, [], recent_window=w).spec
-                check_speed_memory(spec, label, ctx, bat, steps)
-        arts = {}
-        for label, (n, w) in plans.items():
-            say(f"artifact {label}: building or reusing under {workdir}")
-            arts[label] = speed.artifact_for(target, n, workdir, w)
-    return speed.measure(arts, ctx, bat, steps, budget, progress=say)
+                specs[label] = resolve(desc, n, [], recent_window=w).spec
+                check_speed_memory(specs[label], label, ctx, bat, steps)
+        speed.run_kernels(asked, specs)
+
+        def build(say: Say) -> dict:
+            arts = {}
+            for label, (n, w) in plans.items():
+                say(f"artifact {label}: building or reusing under {workdir}")
+                arts[label] = speed.artifact_for(target, n, workdir, w)
+            return arts
+
+    def run(say: Say) -> dict:
+        arts = build(say)
+        chosen = speed.run_kernels(asked, {n: a.spec for n, a in arts.items()})
+        say(f"kernels: {', '.join(chosen)} (asked: {', '.join(asked)})")
+        result = speed.measure(arts, ctx, bat, steps, budget, progress=say, kernels=chosen)
+        return {**result, "kernels_requested": asked}
+
+    return run
+
+
+def run_speed(target, dtypes, contexts, batches, steps, budget, workdir, say: Say, recent="0",
+              kernels="auto"):  # fmt: skip
+    """Decode speed and KV memory per dtype (and recent window) under each kernel choice:
+    :func:`plan_speed`, then its run."""
+    return plan_speed(target, dtypes, contexts, batches, steps, budget, workdir, recent,
+                      kernels)(say)  # fmt: skip

@@ -7,6 +7,9 @@ import os
 import platform
 from pathlib import Path
 
+from tqexport.bench import speed_report
+from tqexport.bench.markdown import table as md_table
+
 
 def machine() -> dict:
     """What the numbers were measured on."""
@@ -169,6 +172,7 @@ def goals(
             f"{best['ppl_delta_pct']:+.2f}%",
         })  # fmt: skip
     if speed:
+        out += speed_report.speed_goals(speed)
         worst = max(  # a recent window takes a fixed share of the budget first: no ratio
             abs(m["resident_vs_auto"] / m["bytes_ratio_auto_over_this"] - 1)
             for m in speed["memory"]
@@ -180,73 +184,7 @@ def goals(
             "detail": f"largest relative gap {100 * worst:.2f}% (whole blocks and the null block)",
         })  # fmt: skip
     out += long_window_goals(sections) if sections else []
-    return out + (peer_speed_goals(peer_speed) if peer_speed else [])
-
-
-#: the batch-scaling goals at context 1024: (system, batch 8 over batch 1 at least)
-SCALING_GOALS = (("tqexport auto", 3.5), ("tqexport turboquant_4bit_nc", 4.0))
-#: the quantized-cost goals at context 4096, batch 1: (system, tokens/s over auto's at least)
-QUANTIZED_COST_GOALS = (("tqexport fp8", 0.6), ("tqexport turboquant_4bit_nc", 0.5))
-#: the goals against ONNX Runtime GenAI at context 1024: (batch, auto over GenAI at least)
-GENAI_GOALS = ((1, 0.8), (8, 0.6))
-GENAI = "ORT GenAI fp32"
-
-
-def read_peer_speed(path: Path) -> dict:
-    """A peer-speed run (``benchmarks/peers_speed.py --json``), checked for what the report
-    reads; ValueError when it is not one."""
-    d = json.loads(path.read_text())
-    rows = d.get("decode") if isinstance(d, dict) else None
-    fields = {"context": int, "batch": int, "tokens_per_second": dict}
-    if not (
-        rows
-        and isinstance(rows, list)
-        and {"threads", "steps"} <= d.keys()
-        and all(isinstance(r, dict) and all(isinstance(r.get(k), t) for k, t in fields.items())
-                for r in rows)
-    ):  # fmt: skip
-        raise ValueError(f"{path} is not a peer-speed run")
-    return d
-
-
-def _tps(peer_speed: dict, context: int, batch: int, system: str) -> float | None:
-    row = next(
-        (r for r in peer_speed["decode"] if (r["context"], r["batch"]) == (context, batch)), None
-    )
-    return None if row is None else row["tokens_per_second"].get(system)
-
-
-def _ratio_goal(goal: str, num: float | None, den: float | None, least: float, what: str):
-    if num is None or den is None:
-        return {"goal": goal, "met": None, "detail": "not measured in this run"}
-    r = num / den
-    return {"goal": goal, "met": r >= least,
-            "detail": f"{r:.2f}x: {what} = {num:.1f} / {den:.1f} tokens/s"}  # fmt: skip
-
-
-def peer_speed_goals(peer_speed: dict) -> list[dict]:
-    """The attention-scaling goals, from one peer-speed run (every ratio within that run)."""
-    out = []
-    for system, least in SCALING_GOALS:
-        out.append(_ratio_goal(
-            f"{system}: batch 8 decodes >= {least}x the tokens/s of batch 1 at context 1024",
-            _tps(peer_speed, 1024, 8, system), _tps(peer_speed, 1024, 1, system), least,
-            "batch 8 / batch 1",
-        ))  # fmt: skip
-    for system, least in QUANTIZED_COST_GOALS:
-        out.append(_ratio_goal(
-            f"{system} decodes at >= {least}x tqexport auto's tokens/s at context 4096, batch 1",
-            _tps(peer_speed, 4096, 1, system), _tps(peer_speed, 4096, 1, "tqexport auto"), least,
-            "this / auto",
-        ))  # fmt: skip
-    for batch, least in GENAI_GOALS:
-        out.append(_ratio_goal(
-            f"tqexport auto decodes at >= {least}x {GENAI}'s tokens/s at context 1024, "
-            f"batch {batch}",
-            _tps(peer_speed, 1024, batch, "tqexport auto"), _tps(peer_speed, 1024, batch, GENAI),
-            least, "auto / GenAI",
-        ))  # fmt: skip
-    return out
+    return out + (speed_report.peer_speed_goals(peer_speed) if peer_speed else [])
 
 
 def plot_quality(rows: list[dict], path: Path) -> None:
@@ -305,62 +243,6 @@ def plot_decode(rows: list[dict], path: Path, ylabel: str, log_y: bool = False) 
     plt.close(fig)
 
 
-def _peer_speed_markdown(ps: dict) -> list[str]:
-    """The peer-speed section: every system's tokens/s, auto over GenAI, batch scaling."""
-    rows = ps["decode"]
-    names = list(dict.fromkeys(n for r in rows for n in r["tokens_per_second"]))
-    versions = ", ".join(f"{k} {v}" for k, v in ps.get("versions", {}).items())
-    table = _md_table(
-        ["context", "batch", *names, "auto / GenAI"],
-        [
-            [r["context"], r["batch"],
-             *[f"{r['tokens_per_second'][n]:.1f}" if n in r["tokens_per_second"] else "-"
-               for n in names],
-             (f"{r['tokens_per_second']['tqexport auto'] / r['tokens_per_second'][GENAI]:.2f}x"
-              if {"tqexport auto", GENAI} <= set(r["tokens_per_second"]) else "-")]
-            for r in rows
-        ],
-    )  # fmt: skip
-    scaling = []
-    for r in rows:
-        if r["batch"] == 1:
-            continue
-        one = next((x for x in rows if (x["context"], x["batch"]) == (r["context"], 1)), None)
-        if one is None:
-            continue
-        cells = [
-            f"{r['tokens_per_second'][n] / one['tokens_per_second'][n]:.2f}x"
-            if n in r["tokens_per_second"] and n in one["tokens_per_second"] else "-"
-            for n in names
-        ]  # fmt: skip
-        scaling.append([r["context"], f"{r['batch']} / 1", *cells])
-    return [
-        "",
-        "## Decode speed against peers",
-        "",
-        f"`{ps.get('command', 'benchmarks/peers_speed.py')}`"
-        + (f" ({versions})" if versions else "")
-        + f": decode tokens/s, {ps['threads']} intra-op threads each, fastest of {ps['steps']} "
-        "steps after a warm-up, every system's steps interleaved in one process (compare "
-        "ratios, not absolute numbers across runs). `-`: not run (GenAI prefills every "
-        "prompt and is capped in cached tokens; llama.cpp's Python API decodes one sequence).",
-        "",
-        table,
-        "",
-        "Batch scaling (tokens/s at batch B over batch 1, same context):",
-        "",
-        _md_table(["context", "batch", *names], scaling),
-        "",
-        "![decode tokens/s vs context, with peers](decode_peers.png)",
-    ]
-
-
-def _md_table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def _plot_name(section: dict) -> str:
     return f"ppl_vs_bits_{section['chunk_tokens']}.png"
 
@@ -390,7 +272,7 @@ def _quality_markdown(title, q, rows, peer, note, plot) -> list[str]:
     elif note:
         parts += [f"Peer: {note}", ""]
     parts.append(
-        _md_table(
+        md_table(
             [
                 "tool",
                 "configuration",
@@ -446,59 +328,9 @@ def markdown(results: dict) -> str:
             sec["peer"], sec["peer_note"], _plot_name(sec),
         )  # fmt: skip
     if speed:
-        d = speed["decode"]
-        names = list(d[0]["ms_per_step"])
-        parts += [
-            "",
-            "## Decode speed (ONNX Runtime CPU) and memory",
-            "",
-            f"{speed['steps']} decode steps per point after one warm-up step, fastest counted; "
-            "cache bytes are zeros (decode cost does not depend on them).",
-            "",
-            _md_table(
-                [
-                    "context",
-                    "batch",
-                    *[f"{n} tok/s" for n in names],
-                    *[f"{n} vs auto" for n in names if n != "auto"],
-                ],
-                [
-                    [
-                        r["context"],
-                        r["batch"],
-                        *[f"{r['tokens_per_second'][n]:.1f}" for n in names],
-                        *[f"{r['speed_vs_auto'][n]:.2f}x" for n in names if n != "auto"],
-                    ]
-                    for r in d
-                ],
-            ),  # fmt: skip
-            "",
-            f"KV budget {speed['budget']}:",
-            "",
-            _md_table(
-                [
-                    "configuration",
-                    "KV bytes/token",
-                    "resident tokens",
-                    "vs auto",
-                    "bytes ratio (spec)",
-                ],
-                [
-                    [
-                        x["label"],
-                        x["kv_bytes_per_token"],
-                        x["resident_tokens"],
-                        f"{x['resident_vs_auto']:.3f}x",
-                        f"{x['bytes_ratio_auto_over_this']:.3f}x",
-                    ]
-                    for x in speed["memory"]
-                ],
-            ),  # fmt: skip
-            "",
-            "![decode tokens/s vs context](decode_vs_context.png)",
-        ]
+        parts += speed_report.speed_markdown(speed)
     if results.get("peer_speed"):
-        parts += _peer_speed_markdown(results["peer_speed"])
+        parts += speed_report.peer_speed_markdown(results["peer_speed"])
     parts += ["", "## Goals", ""]
     for g in results["goals"]:
         verdict = {True: "MET", False: "NOT MET", None: "NOT MEASURED"}[g["met"]]

@@ -104,6 +104,26 @@ def session_options(threads: int | None = None, /, **overrides) -> ort.SessionOp
     return opts
 
 
+def session_summary(opts: ort.SessionOptions) -> dict:
+    """What a session runs with, as ORT holds it (``session.get_session_options()``), to set
+    beside another system's: threads (0: ORT's default, one per physical core), whether idle
+    intra-op threads spin (ORT's default unless a config entry says "0"), graph optimization
+    and memory planning."""
+    try:
+        spin = opts.get_session_config_entry("session.intra_op.allow_spinning")
+    except RuntimeError:  # never set: ORT spins
+        spin = "1"
+    return {
+        "intra_op_num_threads": opts.intra_op_num_threads,
+        "inter_op_num_threads": opts.inter_op_num_threads,
+        "execution_mode": opts.execution_mode.name,
+        "graph_optimization_level": opts.graph_optimization_level.name,
+        "enable_mem_pattern": bool(opts.enable_mem_pattern),
+        "enable_cpu_mem_arena": bool(opts.enable_cpu_mem_arena),
+        "allow_spinning": spin != "0",
+    }
+
+
 class OrtBackend:
     name = "ort"
 
