@@ -218,6 +218,11 @@ NOWHERE = "no/such/artifact"
         (["run", NOWHERE, "--prompt", "hi", "--temperature", "1e-9"], "0 (greedy) or >= 1e-05"),
         (["run", NOWHERE, "--prompt", "hi", "--top-p", "0"], "--top-p must be > 0 and <= 1"),
         (["run", NOWHERE, "--prompt", "hi", "--top-p", "1.5"], "--top-p must be > 0 and <= 1"),
+        (["run", NOWHERE, "--prompt", "hi", "--top-p", "1e-300"],
+         "--top-p must be > 0 and <= 1, got 1e-300, which is 0 in float32 (the precision sampling "
+         "computes in); the smallest that works is 1.4e-45"),
+        (["run", NOWHERE, "--prompt", "hi", "--temperature", "1e39"],
+         "--temperature must be <= 3.40282e+38, got 1e+39, which is infinite in float32"),
         (["run", NOWHERE, "--prompt", "hi", "--top-k", "-1"], "--top-k must be >= 0"),
         (["run", NOWHERE, "--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be >= 1"),
         (["run", NOWHERE, "--prompt", "hi", "--max-num-batched-tokens", "0"],
