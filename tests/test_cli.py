@@ -398,6 +398,34 @@ def test_run_position_limit_rejects_up_front_and_all_rejected_exits_1(served, tm
     assert "at most 12 tokens generated" in err
 
 
+def test_run_a_request_that_fails_while_running_ends_alone_and_exits_1(
+    served, tmp_path, capsys, monkeypatch
+):
+    from tqexport.runtime import executor
+
+    real = executor.sample
+
+    def faulty(logits, params, rng):
+        if params.seed == 1:  # request 1 samples with --seed + 1
+            raise RuntimeError("injected sampling fault\nsecond line")
+        return real(logits, params, rng)
+
+    art, f = served(), tmp_path / "p.txt"
+    f.write_text("one\ntwo\nthree\n")
+    args = ("run", art, "--prompts-file", f, "--max-tokens", "3", "--json")
+    code, out, err = main_inproc(capsys, *args)
+    assert code == 0, err
+    want = [r["token_ids"] for r in json.loads(out)["results"]]
+    monkeypatch.setattr(executor, "sample", faulty)
+    code, out, err = main_inproc(capsys, *args)
+    assert code == 1 and "Traceback" not in err
+    res = json.loads(out)["results"]
+    assert [r["finish_reason"] for r in res] == ["length", "error: injected sampling fault",
+                                                 "length"]  # fmt: skip
+    assert [r["token_ids"] for r in res] == [want[0], [], want[2]]
+    assert "warning: request 1: error: injected sampling fault\n" in err
+
+
 def test_run_every_prompt_rejected_by_the_cache_exits_1(served, capsys):
     code, _, err = main_inproc(capsys, "run", served(), "--prompt", "x" * 100, "--num-blocks",
                                "3")  # fmt: skip
