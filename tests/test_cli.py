@@ -227,6 +227,11 @@ NOWHERE = "no/such/artifact"
         (["run", NOWHERE, "--prompt", "hi", "--temperature", "1e-9"], "0 (greedy) or >= 1e-05"),
         (["run", NOWHERE, "--prompt", "hi", "--top-p", "0"], "--top-p must be > 0 and <= 1"),
         (["run", NOWHERE, "--prompt", "hi", "--top-p", "1.5"], "--top-p must be > 0 and <= 1"),
+        (["run", NOWHERE, "--prompt", "hi", "--top-p", "1e-300"],
+         "--top-p must be > 0 and <= 1, got 1e-300, which is 0 in float32 (the precision sampling "
+         "computes in); the smallest that works is 1.4e-45"),
+        (["run", NOWHERE, "--prompt", "hi", "--temperature", "1e39"],
+         "--temperature must be <= 3.40282e+38, got 1e+39, which is infinite in float32"),
         (["run", NOWHERE, "--prompt", "hi", "--top-k", "-1"], "--top-k must be >= 0"),
         (["run", NOWHERE, "--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be >= 1"),
         (["run", NOWHERE, "--prompt", "hi", "--max-num-batched-tokens", "0"],
@@ -561,6 +566,34 @@ def test_run_position_limit_rejects_up_front_and_all_rejected_exits_1(served, tm
     assert code == 0
     assert len(json.loads(out)["results"][0]["token_ids"]) == 12  # capped at 512 positions
     assert "at most 12 tokens generated" in err
+
+
+def test_run_a_request_that_fails_while_running_ends_alone_and_exits_1(
+    served, tmp_path, capsys, monkeypatch
+):
+    from tqexport.runtime import executor
+
+    real = executor.sample
+
+    def faulty(logits, params, rng):
+        if params.seed == 1:  # request 1 samples with --seed + 1
+            raise RuntimeError("injected sampling fault\nsecond line")
+        return real(logits, params, rng)
+
+    art, f = served(), tmp_path / "p.txt"
+    f.write_text("one\ntwo\nthree\n")
+    args = ("run", art, "--prompts-file", f, "--max-tokens", "3", "--json")
+    code, out, err = main_inproc(capsys, *args)
+    assert code == 0, err
+    want = [r["token_ids"] for r in json.loads(out)["results"]]
+    monkeypatch.setattr(executor, "sample", faulty)
+    code, out, err = main_inproc(capsys, *args)
+    assert code == 1 and "Traceback" not in err
+    res = json.loads(out)["results"]
+    assert [r["finish_reason"] for r in res] == ["length", "error: injected sampling fault",
+                                                 "length"]  # fmt: skip
+    assert [r["token_ids"] for r in res] == [want[0], [], want[2]]
+    assert "warning: request 1: error: injected sampling fault\n" in err
 
 
 def test_run_every_prompt_rejected_by_the_cache_exits_1(served, capsys):

@@ -1,6 +1,7 @@
 """The engine API, and the scheduler and block manager under it driven directly."""
 
 import pytest
+import torch
 from helpers import with_byte_tokenizer
 
 from tqexport.contract.artifact import open_artifact
@@ -8,6 +9,7 @@ from tqexport.errors import TQExportError
 from tqexport.runtime.blocks import BlockManager
 from tqexport.runtime.engine import Engine, EngineConfig, cache_token_limit
 from tqexport.runtime.executor import Executor
+from tqexport.runtime.sampling import sample
 from tqexport.runtime.scheduler import Scheduler
 from tqexport.runtime.sequence import SamplingParams, Sequence, Status
 from tqexport.spec import CacheGroup
@@ -269,3 +271,103 @@ def test_prompts_through_the_tokenizer_and_chat_template(texty):
     done = texty.generate([messages], SamplingParams(max_tokens=6))
     assert done[0].prompt_token_ids == texty.encode(messages)
     assert done[0].text == texty.tokenizer.decode(done[0].token_ids)
+
+
+# --- one request's failure ends that request only; sampling params are checked in float32 ---
+
+GREEDY16 = SamplingParams(max_tokens=16)
+
+
+def alone_tokens(eng, prompts, params=GREEDY16):
+    return [eng.generate([p], params)[0].token_ids for p in prompts]
+
+
+def test_top_p_that_is_0_in_float32_is_refused_and_cannot_break_sampling(engine):
+    """The repro: top_p 1e-300 passed the float64 check, was 0 in float32 and made
+    torch.multinomial raise for the whole step."""
+    with pytest.raises(TQExportError, match=r"^top_p must be > 0 and <= 1, got 1e-300, which is 0"):
+        SamplingParams(temperature=1.0, top_p=1e-300)
+    with pytest.raises(TQExportError, match=r"^temperature must be <= 3.40282e\+38, got 1e\+39"):
+        SamplingParams(temperature=1e39)
+    # params that slipped past the checks: the sampler still keeps the most likely token, so
+    # the request is greedy and the others in its batch are untouched
+    bad = SamplingParams(max_tokens=16, temperature=1.0)
+    object.__setattr__(bad, "top_p", 1e-300)
+    rows = torch.randn(8, 256, generator=torch.Generator().manual_seed(0))
+    assert [sample(r, bad, torch.Generator()) for r in rows] == rows.argmax(-1).tolist()
+    ex = engine.executor
+    want = [ex.generate([p], GREEDY16)[0].output for p in PROMPTS]
+    got = ex.generate(PROMPTS + [PROMPTS[0]], [GREEDY16] * 3 + [bad])
+    assert [s.output for s in got] == want + want[:1]
+    assert [s.finish_reason for s in got] == ["length"] * 4
+
+
+def test_a_request_whose_sampling_raises_ends_alone(engine, monkeypatch):
+    from tqexport.runtime import executor
+
+    want = alone_tokens(engine, PROMPTS + [[7, 7, 7]])
+    real, boom = executor.sample, RuntimeError("injected sampling fault")
+    calls = {"n": 0}
+
+    def faulty(logits, params, rng):
+        if params.seed == 666:
+            calls["n"] += 1
+            if calls["n"] == 4:  # mid-run: after three tokens of its own
+                raise boom
+        return real(logits, params, rng)
+
+    monkeypatch.setattr(executor, "sample", faulty)
+    victim = SamplingParams(max_tokens=16, seed=666)
+    got = engine.generate(PROMPTS + [[7, 7, 7]], [GREEDY16] * 3 + [victim])
+    assert [c.token_ids for c in got[:3]] == want[:3]
+    assert [c.finish_reason for c in got] == ["length"] * 3 + ["error"]
+    assert got[3].error is boom and got[3].token_ids == want[3][:3]
+    assert [c.error for c in got[:3]] == [None] * 3
+    assert not engine.has_unfinished() and engine.executor.blocks.used_blocks() == [0]
+
+
+def test_a_request_whose_step_raises_ends_alone_among_running_ones(engine, monkeypatch):
+    want = alone_tokens(engine, PROMPTS)
+    backend = engine.executor.backend
+    real, boom = backend.run, RuntimeError("injected step fault")
+
+    def faulty(step):
+        if int((step["input_ids"] == 251).sum()) >= 5:  # only the bad prompt's prefill
+            raise boom
+        return real(step)
+
+    monkeypatch.setattr(backend, "run", faulty)
+    rids = [engine.add_request(p, GREEDY16) for p in PROMPTS]
+    outs = engine.step() + engine.step()  # the others are running when it joins
+    bad = engine.add_request([251] * 5, GREEDY16)
+    done = {rid: [] for rid in rids}
+    while engine.has_unfinished():
+        outs += engine.step()
+    for o in outs:
+        if o.request_id != bad:
+            done[o.request_id] += o.new_token_ids
+    assert [done[r] for r in rids] == want
+    failed = [o for o in outs if o.request_id == bad]
+    assert [(o.finish_reason, o.error, o.new_token_ids) for o in failed] == [("error", boom, [])]
+    assert engine.executor.blocks.used_blocks() == [0]
+
+
+def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing(texty, engine, monkeypatch):
+    """Prompt characters against the context times the most characters a token can stand for
+    (the byte tokenizer: 1, times 4 for normalization); token ids against the context."""
+    assert texty.token_chars == (4, 1) and texty.max_seq_len == 512
+    monkeypatch.setattr(texty, "encode", lambda *a, **k: pytest.fail("tokenized"))
+    for prompt in ("x" * 2049, [{"role": "user", "content": "x" * 2049}]):
+        with pytest.raises(TQExportError) as e:
+            texty.prompt_ids(prompt)
+        assert str(e.value) == (
+            "a prompt of 2049 characters cannot fit the model's position limit of 512 tokens: "
+            "one token stands for at most 4 characters (the vocabulary's longest entry, 1, "
+            "times 4 for normalization), so it needs more than 512 tokens; shorten it"
+        )
+    with pytest.raises(TQExportError, match="^a prompt of 513 tokens exceeds the model's pos"):
+        engine.add_request([1] * 513)
+    monkeypatch.undo()
+    with pytest.raises(TQExportError, match="a prompt of 2048 tokens exceeds the model's pos"):
+        texty.add_request("x" * 2048, chat_template=False)  # within the bound: tokenized
+    assert not texty.has_unfinished() and not engine.has_unfinished()

@@ -507,7 +507,8 @@ def run(
 
     A prompt that cannot run (longer than the model's position limit, or than the whole
     cache) is rejected with a warning while the others complete; when every prompt is
-    rejected the exit code is 1. Arguments and input files are checked before anything runs."""
+    rejected, or any request fails while running (it alone; the others complete), the exit
+    code is 1. Arguments and input files are checked before anything runs."""
     from tqexport.runtime.batch import run_batch
     from tqexport.runtime.engine import Engine
     from tqexport.runtime.sequence import SamplingParams
@@ -553,6 +554,8 @@ def run(
             console.print(printable(r["text"], keep_newlines=True))
     for i in sorted(rejected):
         _warn(f"request {i}: {rejected[i]}")
+    for i in sorted(batch.failed):
+        _warn(f"request {i}: {batch.failed[i]}")
     if not as_json:
         err.print(
             f"{summary['requests']} requests, {summary['generated_tokens']} tokens in "
@@ -562,7 +565,7 @@ def run(
             f"{fmt_bytes(summary['peak_kv_bytes'])} (bf16: "
             f"{fmt_bytes(summary['peak_kv_bytes_bf16_equivalent'])})",
         )
-    if rejected and len(rejected) == len(results):
+    if batch.failed or (rejected and len(rejected) == len(results)):
         raise typer.Exit(1)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import struct
 import unicodedata
 from pathlib import Path
 
@@ -29,6 +30,9 @@ MAX_NUM_SEQS = 2**16
 MAX_NUM_BATCHED_TOKENS = 2**20
 #: temperatures below this overflow ``logits / temperature`` in fp32; 0 means greedy
 MIN_TEMPERATURE = 1e-5
+#: the largest finite float32 and the smallest positive one: sampling computes in float32
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.401298464324817e-45
 MAX_RECENT_WINDOW = 2**20
 #: sink tokens kept in the model dtype per sequence (a few are what attention leans on)
 MAX_SINK_TOKENS = 2**10
@@ -116,6 +120,14 @@ def seed(value, name: str = "--seed", maximum: int = SEED_MAX) -> int:
     return integer(value, name, 0, maximum)
 
 
+def float32(x: float) -> float:
+    """``x`` rounded to float32 (inf past its range), the precision sampling computes in."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
 def _flag(field: str, cli: bool) -> str:
     return "--" + field.replace("_", "-") if cli else field
 
@@ -123,15 +135,26 @@ def _flag(field: str, cli: bool) -> str:
 def sampling(max_tokens, temperature, top_k, top_p, seed_value, *, cli: bool = False,
              seed_max: int = TORCH_SEED_MAX) -> None:  # fmt: skip
     """The rules of ``SamplingParams``; ``cli`` names the flags (``--max-tokens``) instead of the
-    fields (``max_tokens``) in the message."""
+    fields (``max_tokens``) in the message. Floats are checked as float32 too, the precision
+    sampling computes in, so a value that passes cannot make sampling fail."""
     integer(max_tokens, _flag("max_tokens", cli), 1)
-    t = number(temperature, _flag("temperature", cli), 0.0)
+    name = _flag("temperature", cli)
+    t = number(temperature, name, 0.0)
     if 0 < t < MIN_TEMPERATURE:
+        raise TQExportError(f"{name} must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {t}")
+    if math.isinf(float32(t)):
         raise TQExportError(
-            f"{_flag('temperature', cli)} must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {t}"
+            f"{name} must be <= {FLOAT32_MAX:.6g}, got {t:g}, which is infinite in float32 "
+            "(the precision sampling computes in)"
         )
     integer(top_k, _flag("top_k", cli), 0)
-    number(top_p, _flag("top_p", cli), above=0.0, maximum=1.0)
+    name = _flag("top_p", cli)
+    p = number(top_p, name, above=0.0, maximum=1.0)
+    if float32(p) == 0:
+        raise TQExportError(
+            f"{name} must be > 0 and <= 1, got {p:g}, which is 0 in float32 (the precision "
+            f"sampling computes in); the smallest that works is {FLOAT32_TINY:.2g}"
+        )
     seed(seed_value, _flag("seed", cli), seed_max)
 
 

@@ -18,6 +18,8 @@ class BatchRun:
     #: prompt index -> why it did not run
     rejected: dict[int, str]
     summary: dict
+    #: prompt index -> why it failed while running (it alone; the others completed)
+    failed: dict[int, str]
 
 
 def run_batch(
@@ -29,7 +31,8 @@ def run_batch(
 ) -> BatchRun:
     """Generate for every prompt (prompt ``i`` samples with ``params.seed + i``). A prompt
     whose ``max_tokens`` would overrun the position limit or the cache generates what fits
-    (``warn`` says so); one that cannot run at all is rejected while the others complete."""
+    (``warn`` says so); one that cannot run at all is rejected while the others complete, and
+    one that fails while running ends alone."""
     ids = [engine.encode(t, label=f"prompt {i}") for i, t in enumerate(texts)]
     rids, rejected = {}, {}
     for i, x in enumerate(ids):
@@ -51,16 +54,19 @@ def run_batch(
     start = time.perf_counter()
     done = engine.drain(on_output)
     wall = time.perf_counter() - start
-    results = []
+    results, failed = [], {}
     for i, text in enumerate(texts):
         c = done.get(rids.get(i))
+        if c is not None and c.error is not None:
+            why = str(c.error).strip().splitlines()
+            failed[i] = f"error: {why[0] if why else type(c.error).__name__}"
         results.append(
             {
                 "prompt": text,
                 "prompt_token_ids": ids[i],
                 "token_ids": c.token_ids if c else [],
                 "text": c.text if c else "",
-                "finish_reason": c.finish_reason if c else rejected[i],
+                "finish_reason": failed.get(i) or (c.finish_reason if c else rejected[i]),
             }
         )
     generated = sum(len(r["token_ids"]) for r in results)
@@ -77,4 +83,4 @@ def run_batch(
         "steps": ex.steps,
         "backend": engine.config.backend,
     }
-    return BatchRun(results, rejected, summary)
+    return BatchRun(results, rejected, summary, failed)

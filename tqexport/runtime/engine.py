@@ -2,7 +2,8 @@
 
 It wraps the :class:`~tqexport.runtime.executor.Executor` (scheduler, block manager, backend)
 with what serving needs around it: the tokenizer and chat template, admission checks that fail
-at ``add_request`` (never mid-run), ``abort``, stop strings and UTF-8-safe text deltas.
+at ``add_request`` (never mid-run), ``abort``, stop strings and UTF-8-safe text deltas. A request
+that fails while it runs (its step, sampling or text) ends alone with finish_reason "error".
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from tqexport.runtime.config import EngineConfig
 from tqexport.runtime.executor import Executor
 from tqexport.runtime.sequence import SamplingParams, Sequence, Status
 from tqexport.runtime.text import (
+    NORMALIZER_MERGE,
     StreamDecoder,
     encode_prompt,
     has_tokenizer,
     load_tokenizer,
+    max_token_chars,
     stop_token_ids,
     tokenizer_file,
 )
@@ -41,7 +44,8 @@ MAX_STOP_STRINGS = 16
 class RequestOutput:
     """What one step did for one request: its new tokens and text, and whether it ended.
 
-    ``finish_reason``: "stop" (a stop token or string), "length" (max_tokens) or "abort"."""
+    ``finish_reason``: "stop" (a stop token or string), "length" (max_tokens), "abort" or
+    "error" (this request alone failed; ``error`` says why)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -50,6 +54,7 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    error: BaseException | None = None
 
 
 @dataclass
@@ -61,6 +66,8 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    #: why it failed (finish_reason "error")
+    error: BaseException | None = None
 
 
 @dataclass
@@ -150,6 +157,8 @@ class Engine:
         path = artifact.path
         self.tokenizer = load_tokenizer(path) if has_tokenizer(path) else None
         self.eos_token_ids = stop_token_ids(path, self.tokenizer)
+        #: (characters one token stands for at most, the vocabulary's longest entry)
+        self.token_chars = max_token_chars(self.tokenizer) if self.tokenizer else None
         #: the model's position limit (None: unknown)
         self.max_model_len = position_limit(artifact, self.tokenizer)
         self.executor = Executor(
@@ -180,6 +189,50 @@ class Engine:
         """Prompt + max_tokens a request may have (the context or the cache, the smaller)."""
         limits = [n for n in (self.max_model_len, self.max_cache_tokens) if n is not None]
         return min(limits) if limits else None
+
+    def _limit_text(self) -> str:
+        limit = self.max_seq_len
+        if limit == self.max_model_len:
+            return f"the model's position limit of {limit} tokens"
+        return f"the {limit} tokens the whole KV cache holds"
+
+    def check_prompt_size(self, prompt: Prompt) -> None:
+        """Refuse, before any tokenizing, a prompt too long to fit: more token ids than the
+        context, or more characters than that many tokens can stand for."""
+        limit = self.max_seq_len
+        if limit is None or not isinstance(prompt, (str, list, tuple)):
+            return
+        if isinstance(prompt, str) or any(isinstance(m, dict) for m in prompt):
+            parts = [prompt] if isinstance(prompt, str) else prompt
+            texts = [m.get("content") if isinstance(m, dict) else m for m in parts]
+            chars = sum(len(t) for t in texts if isinstance(t, str))
+            if self.token_chars is None or chars <= limit * self.token_chars[0]:
+                return
+            bound, longest = self.token_chars
+            raise TQExportError(
+                f"a prompt of {chars} characters cannot fit {self._limit_text()}: one token "
+                f"stands for at most {bound} characters (the vocabulary's longest entry, "
+                f"{longest}, times {NORMALIZER_MERGE} for normalization), so it needs more than "
+                f"{limit} tokens; shorten it"
+            )
+        n = len(prompt)
+        if n > limit and limit == self.max_model_len:
+            raise TQExportError(
+                f"a prompt of {n} tokens exceeds the model's position limit of {limit} tokens "
+                "(max_position_embeddings)"
+            )
+        if n > limit:
+            bs = self.executor.blocks.groups[0].block_size
+            raise TQExportError(
+                f"a prompt of {n} tokens does not fit in the whole KV cache ({limit} tokens in "
+                f"blocks of {bs}); shorten it or raise --num-blocks / --kv-cache-memory"
+            )
+
+    def prompt_ids(self, prompt: Prompt, chat_template: bool | None = None) -> list[int]:
+        """Token ids of a prompt (:meth:`encode`), a prompt too long to fit refused first
+        (:meth:`check_prompt_size`). It reads no request state: any thread may call it."""
+        self.check_prompt_size(prompt)
+        return self.encode(prompt, chat_template)
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int | None:
         """The most tokens a prompt of this length may generate (None: no limit)."""
@@ -262,7 +315,7 @@ class Engine:
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self._requests:
             raise TQExportError(f"request id {rid!r} is already in use")
-        ids = self.encode(prompt, chat_template)
+        ids = self.prompt_ids(prompt, chat_template)
         self._admit(len(ids), params.max_tokens)
         if not ignore_eos:
             stops = tuple(sorted(set(params.stop_token_ids) | set(self.eos_token_ids)))
@@ -287,7 +340,8 @@ class Engine:
         return bool(self._requests)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; one output per request that got a token or finished."""
+        """Run one scheduled step; one output per request that got a token or finished. A
+        request that fails ends alone: finish_reason "error", the exception in ``error``."""
         self.executor.step()
         outputs = []
         for rid, req in list(self._requests.items()):
@@ -298,7 +352,12 @@ class Engine:
                 continue
             req.reported = len(seq.output)
             self.generation_tokens += len(tokens)
-            delta, stopped = self._text(req, finished)
+            try:
+                delta, stopped = ("", False) if seq.error else self._text(req, finished)
+            except Exception as e:  # detokenizing or stop strings of this request alone
+                self.executor.scheduler.abort(seq, "error")
+                seq.finish("error")
+                seq.error, delta, stopped, finished = e, "", False, True
             if stopped:
                 if finished:
                     seq.finish("stop")
@@ -316,6 +375,7 @@ class Engine:
                     _finish_reason(seq.finish_reason) if finished else None,
                     len(seq.prompt),
                     len(seq.output),
+                    seq.error,
                 )
             )
         return outputs
@@ -351,7 +411,7 @@ class Engine:
                 c = done[out.request_id]
                 c.token_ids += out.new_token_ids
                 c.text += out.text
-                c.finish_reason = out.finish_reason
+                c.finish_reason, c.error = out.finish_reason, out.error
                 if on_output is not None:
                     on_output(out)
         return done
@@ -365,7 +425,8 @@ class Engine:
         on_output: Callable[[RequestOutput], None] | None = None,
     ) -> list[Completion]:
         """Serve every prompt to completion as one continuous batch (on an idle engine); any
-        prompt that cannot run raises before anything runs."""
+        prompt that cannot run raises before anything runs. One that fails while running ends
+        alone (finish_reason "error", ``error`` says why); the others complete."""
         if self.has_unfinished():
             raise TQExportError("generate() needs an idle engine: step or abort its requests")
         if not isinstance(prompts, list):

@@ -113,7 +113,9 @@ class Executor:
         return sum(u * b for u, b in zip(used, self.group_block_bytes, strict=True))
 
     def step(self) -> list[StepEvent]:
-        """Run one scheduled step; returns the tokens sampled in it."""
+        """Run one scheduled step; returns the tokens sampled in it. A sequence that fails while
+        being stepped or sampled ends alone (finish_reason "error", the exception in ``error``);
+        the others in the step go on as if it had not been there."""
         batch = self.scheduler.schedule()
         if not batch:
             if not self.scheduler.idle:
@@ -131,15 +133,19 @@ class Executor:
                     "last" if ends else "none",
                 )
             )
-        logits = self.backend.run(build_step(self.spec, chunks))
-        self.steps += 1
-        events, row = [], 0
-        for (seq, n), chunk in zip(batch, chunks, strict=True):
-            seq.num_cached += n
-            if chunk.want_logits == "none":
+        events = []
+        for (seq, n), row in zip(batch, self._run(chunks), strict=True):
+            if isinstance(row, Exception):
+                self.fail(seq, row)
                 continue
-            token = sample(logits[row], seq.params, seq.rng)
-            row += 1
+            seq.num_cached += n
+            if row is None:
+                continue
+            try:
+                token = sample(row, seq.params, seq.rng)
+            except Exception as e:
+                self.fail(seq, e)
+                continue
             seq.output.append(token)
             events.append(StepEvent(seq, token))
             p = seq.params
@@ -148,6 +154,28 @@ class Executor:
             elif len(seq.output) >= p.max_tokens:
                 self.scheduler.finish(seq, "length")
         return events
+
+    def _run(self, chunks: list[SeqChunk]) -> list[torch.Tensor | None | Exception]:
+        """Per chunk: its logits row (None when it wants none), or the exception that running
+        it raised. When the batched run raises, each chunk runs alone, so only the ones that
+        fail alone fail (a chunk rewrites only its own cache slots: rerunning it is harmless)."""
+        try:
+            logits = self.backend.run(build_step(self.spec, chunks))
+        except Exception as e:
+            if len(chunks) == 1:
+                return [e]
+            return [self._run([c])[0] for c in chunks]
+        self.steps += 1
+        rows, i = [], 0
+        for c in chunks:
+            rows.append(None if c.want_logits == "none" else logits[i])
+            i += c.want_logits != "none"
+        return rows
+
+    def fail(self, seq: Sequence, error: Exception) -> None:
+        """End a running sequence that failed: finish_reason "error", its blocks freed."""
+        seq.error = error
+        self.scheduler.finish(seq, "error")
 
     def generate(
         self,

@@ -8,10 +8,13 @@ from tqexport.runtime.sequence import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator) -> int:
-    """One token from a ``[vocab]`` row of logits."""
+    """One token from a ``[vocab]`` row of logits. The most likely token always stays a
+    candidate (it is scaled to 0 before the temperature, and top-k and top-p keep it), so any
+    params draw from a valid distribution; only non-finite logits can make this raise."""
     if params.temperature == 0:
         return int(logits.argmax())
-    x = logits.float() / params.temperature
+    x = logits.float()
+    x = (x - x.max()) / params.temperature
     if params.top_k:
         kth = torch.topk(x, min(params.top_k, x.numel())).values[-1]
         x = torch.where(x < kth, torch.full_like(x, float("-inf")), x)
@@ -19,6 +22,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator) -
         order = torch.argsort(x, descending=True)
         probs = torch.softmax(x[order], dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
-        drop = order[before >= params.top_p]
+        drop = order[1:][before[1:] >= params.top_p]
         x[drop] = float("-inf")
     return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=rng))

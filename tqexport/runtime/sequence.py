@@ -48,6 +48,8 @@ class Sequence:
     num_cached: int = 0
     block_tables: list[list[int]] = field(default_factory=list)  # per cache group
     finish_reason: str | None = None
+    #: why it ended with finish_reason "error" (it alone failed while being stepped or sampled)
+    error: BaseException | None = None
     preemptions: int = 0
     rng: torch.Generator = field(init=False)
 

@@ -39,6 +39,8 @@ JSON_FILES = (
 TEMPLATE_SECONDS = 5.0
 #: characters a rendered chat template may have beyond the prompt itself (1 MiB)
 TEMPLATE_MAX_CHARS = 2**20
+#: characters a normalizer may merge into one (NFC composes at most 4 code points into one)
+NORMALIZER_MERGE = 4
 
 
 def _first_line(e: BaseException) -> str:
@@ -414,6 +416,15 @@ def _encode(tokenizer, text: str, where: Path | None, **kw) -> list[int]:
     except Exception as e:
         raise TQExportError(f"{name} fails on a prompt: {_first_line(e)}") from None
     return ids
+
+
+def max_token_chars(tokenizer) -> tuple[int, int]:
+    """(the most prompt characters one token can stand for, the vocabulary's longest entry):
+    that entry (a byte-level entry has one character per byte, so it is at least the characters
+    it covers) times :data:`NORMALIZER_MERGE` for a normalizer that composes characters. A
+    prompt of more than ``n * bound`` characters needs more than ``n`` tokens."""
+    longest = max(1, max(map(len, tokenizer.get_vocab()), default=1))
+    return longest * NORMALIZER_MERGE, longest
 
 
 def stop_token_ids(artifact_dir: Path, tokenizer) -> tuple[int, ...]:

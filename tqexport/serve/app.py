@@ -2,9 +2,10 @@
 /v1/chat/completions (whole or streamed), /health and /metrics.
 
 Every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}``; an unexpected one
-is a 500 with no traceback (logged on the server). A client that disconnects aborts its request.
-Request bodies must be ``application/json``: a form or text body, which a browser may send
-cross-site without asking, never reaches the engine.
+is a 500 with no traceback (logged on the server). A request that fails while it runs gets its
+own error (400 when its input caused it, else 500); the others in its batch go on. A client that
+disconnects aborts its request. Request bodies must be ``application/json``: a form or text
+body, which a browser may send cross-site without asking, never reaches the engine.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def create_app(
             raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
     async def admit(req, prompt, chat: bool):
-        """Validate, then admit on the engine thread; returns (request id, prompt ids, queue)."""
+        """Validate, tokenize on a worker thread (a prompt too long to fit is refused before),
+        then admit on the engine thread; returns (request id, prompt ids, queue)."""
         if req.model != served_model_name:
             raise APIError(
                 404,
@@ -140,9 +142,14 @@ def create_app(
         stop = req.stop_strings()
         requested = req.max_new_tokens()
         params = req.sampling(requested or 1)
+        try:
+            ids = await loop.prepare(
+                lambda: engine.prompt_ids(prompt, chat_template=None if chat else False)
+            )
+        except TQExportError as e:
+            raise APIError(400, str(e)) from None
 
         def build(engine: Engine):
-            ids = engine.encode(prompt, chat_template=None if chat else False)
             n = requested if requested is not None else engine.max_new_tokens(len(ids))
             if n is None:
                 raise TQExportError("max_tokens is required: this model has no context limit")
@@ -277,9 +284,17 @@ class _Timing:
             self.metrics.ttft.observe(time.monotonic() - self.arrival)
 
     def finished(self, reason: str) -> None:
-        if reason != "abort":
+        if reason in ("stop", "length"):
             self.metrics.latency.observe(time.monotonic() - self.arrival)
         self.metrics.finished.labels(reason).inc()
+
+
+def _failed(error: BaseException | None) -> APIError:
+    """The error of a request that failed while running: 400 when its input caused it
+    (TQExportError), else 500 without the details (the engine loop logged them)."""
+    if isinstance(error, TQExportError):
+        return APIError(400, str(error))
+    return APIError(500, "internal server error while generating this request", type="server_error")
 
 
 async def _watch_disconnect(request: Request, outputs: asyncio.Queue) -> None:
@@ -301,6 +316,10 @@ async def _whole(request, loop: EngineLoop, rid, outputs, reply: Reply, timing: 
                 return Response(status_code=499)  # nobody reads it; nginx's "client closed"
             if isinstance(item, EngineFailed):
                 raise APIError(503, str(item), type="server_error")
+            if item.finish_reason == "error":
+                finished = True
+                timing.finished("error")
+                raise _failed(item.error)
             timing.tokens(len(item.new_token_ids))
             tokens += item.new_token_ids
             text.append(item.text)
@@ -327,6 +346,11 @@ async def _stream(loop: EngineLoop, rid, outputs, reply: Reply, timing: _Timing,
             item = await outputs.get()
             if isinstance(item, EngineFailed):
                 yield sse(error_body(str(item), "server_error"))
+                break
+            if item.finish_reason == "error":
+                finished = True
+                timing.finished("error")
+                yield sse(_failed(item.error).body())
                 break
             timing.tokens(len(item.new_token_ids))
             count += len(item.new_token_ids)

@@ -1,9 +1,11 @@
 """The one engine loop behind every HTTP request: continuous batching across connections.
 
-A single thread owns the :class:`~tqexport.runtime.engine.Engine`. Requests and aborts from
-the event loop reach it through a queue and join the running batch between two steps; each
-step's outputs go back to their request's asyncio queue. The backend's run releases the GIL,
-so the event loop keeps serving connections while a step runs.
+A single thread owns the :class:`~tqexport.runtime.engine.Engine` and only steps it: prompts
+are tokenized and chat templates rendered on worker threads (:meth:`EngineLoop.prepare`), and
+the prepared token ids and aborts reach the engine thread through a queue and join the running
+batch between two steps; each step's outputs go back to their request's asyncio queue. The
+backend's run releases the GIL, so the event loop keeps serving connections while a step runs.
+A request that fails while it runs ends alone (its output's finish_reason is "error").
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from tqexport.errors import TQExportError
 from tqexport.runtime.engine import Engine, RequestOutput
@@ -21,10 +24,13 @@ log = logging.getLogger("tqexport.serve")
 
 #: ``build(engine) -> (request id, prompt token ids)``, run on the engine thread
 Build = Callable[[Engine], tuple[str, list[int]]]
+#: worker threads that tokenize prompts and render chat templates
+PREPARE_WORKERS = 4
 
 
 class EngineFailed(Exception):
-    """The engine raised during a step; every request in flight then ends with this error."""
+    """The engine itself raised during a step (not one request); every request in flight then
+    ends with this error."""
 
 
 class EngineLoop:
@@ -33,6 +39,7 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[RequestOutput | Exception], None]] = {}
         self._thread = threading.Thread(target=self._run, name="tqexport-engine", daemon=True)
+        self._workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="tqexport-prepare")
 
     def start(self) -> None:
         self._thread.start()
@@ -42,6 +49,11 @@ class EngineLoop:
         if self._thread.is_alive():
             self._commands.put(("stop",))
             self._thread.join(timeout)
+        self._workers.shutdown(wait=False, cancel_futures=True)
+
+    async def prepare(self, work: Callable[[], list[int]]) -> list[int]:
+        """Run ``work`` (tokenizing, a chat template) on a worker thread, never the engine's."""
+        return await asyncio.get_running_loop().run_in_executor(self._workers, work)
 
     async def submit(self, build: Build) -> tuple[str, list[int], asyncio.Queue]:
         """Admit a request on the engine thread; returns its id, prompt ids and output queue.
@@ -118,6 +130,8 @@ class EngineLoop:
             self._fail_all(EngineFailed(f"the engine failed: {e}"))
             return
         for out in outputs:
+            if out.error is not None:
+                log.error("request %s failed", out.request_id, exc_info=out.error)
             sinks = self._sinks
             sink = sinks.pop(out.request_id, None) if out.finished else sinks.get(out.request_id)
             if sink is not None:

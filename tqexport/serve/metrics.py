@@ -64,7 +64,7 @@ class Metrics:
         )
         self.finished = Counter(
             "tqexport_request_success",
-            "Requests finished, by finish reason (stop, length, abort).",
+            "Requests finished, by finish reason (stop, length, abort, error).",
             ["finished_reason"],
             registry=self.registry,
         )

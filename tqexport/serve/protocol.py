@@ -202,8 +202,10 @@ class _Sampling(BaseModel):
             return SamplingParams(
                 max_tokens, temperature, top_k, 1.0 if self.top_p is None else self.top_p, seed
             )
-        except TQExportError as e:
-            raise APIError(400, str(e)) from None
+        except TQExportError as e:  # its message starts with the field's name
+            name = str(e).split(" ", 1)[0]
+            param = name if name in type(self).model_fields else None
+            raise APIError(400, str(e), param=param) from None
 
     @property
     def include_usage(self) -> bool:
