@@ -74,11 +74,10 @@ inline void finish_row(const AttentionStep& s, int64_t t, int64_t head, float l,
     return;
   }
   const Format& f = *s.format;
-  std::vector<float> natural;
+  float natural[gen::kMaxHeadSize];  // no allocation per row
   if (f.value_parts()) {
-    natural.resize(d);
-    from_parts(accm, natural.data(), d);
-    accm = natural.data();
+    from_parts(accm, natural, d);
+    accm = natural;
   }
   if (f.value_rotated()) hadamard(accm, d);
   for (int i = 0; i < d; ++i) o[i] = (acc[i] + accm[i]) / l;
