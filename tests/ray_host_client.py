@@ -1,9 +1,11 @@
 """Client that tests/test_ray_two_hosts.py runs inside a host's network namespace.
 
-``load BASE KEY N CONCURRENCY MAX_TOKENS TIMEOUT``: N greedy completions, CONCURRENCY at a time,
-one JSON line per request as it ends (its monotonic start and end, HTTP status or transport
-error, and the replica header). ``status ADDRESS APP``: one JSON line, the replica states Ray
-Serve reports for the application's deployment (no line if it is not deployed yet).
+``load BASE KEY N CONCURRENCY MAX_TOKENS TIMEOUT``: N greedy completions of model "tiny",
+CONCURRENCY at a time, request i asking for MAX_TOKENS + i * 7 % MAX_TOKENS tokens (staggered:
+a replica's requests do not all end at once); one JSON line per request as it ends (its
+monotonic start and end, HTTP status or transport error, and the replica header).
+``status ADDRESS APP``: one JSON line, the replica states Ray Serve reports for the
+application's deployment (no line if it is not deployed yet).
 """
 
 import json
@@ -20,8 +22,9 @@ def load(base: str, key: str, n: int, concurrency: int, max_tokens: int, timeout
     headers = {"Authorization": f"Bearer {key}"}
 
     def one(i: int) -> None:
-        body = {"model": "tiny", "prompt": [5 + i % 64, 9, 200, 3], "max_tokens": max_tokens,
-                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        body = {"model": "tiny", "prompt": [5 + i % 64, 9, 200, 3],
+                "max_tokens": max_tokens + i * 7 % max_tokens, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
         start = time.monotonic()
         rec: dict = {"i": i, "start": start}
         try:
