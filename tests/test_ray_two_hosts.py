@@ -98,6 +98,7 @@ class Hosts:
         self.head = f"{PREFIX}{os.getpid()}-head"
         self.worker = f"{PREFIX}{os.getpid()}-worker"
         self.inode = {}
+        self.children: list[subprocess.Popen] = []
 
     def make(self) -> None:
         for ns in (self.head, self.worker):
@@ -115,6 +116,10 @@ class Hosts:
     def remove(self) -> None:
         for ns in (self.head, self.worker):
             remove_host(ns)
+        for child in self.children:  # killed with their host: reaped here
+            child.wait(30)
+            if child.stdout is not None:
+                child.stdout.close()
 
     def of(self, pid: int) -> str | None:
         """The host a process runs on: its network namespace."""
@@ -124,10 +129,11 @@ class Hosts:
             return None
         return next((ns for ns, i in self.inode.items() if i == ino), None)
 
-    def popen(self, ns: str, cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
-        with open(log, "w") as out:  # the child keeps its own copy
-            return subprocess.Popen(["ip", "netns", "exec", ns, *cmd], stdout=out,
-                                    stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    def popen(self, ns: str, cmd: list[str], env: dict, stdout) -> subprocess.Popen:
+        child = subprocess.Popen(["ip", "netns", "exec", ns, *cmd], stdout=stdout,
+                                 stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+        self.children.append(child)
+        return child
 
     def run(self, ns: str, cmd: list[str], env: dict, timeout: float) -> str:
         r = subprocess.run(["ip", "netns", "exec", ns, *cmd], capture_output=True, text=True,
@@ -185,8 +191,7 @@ def test_a_lost_host_fails_only_its_replicas_requests_and_its_replica_returns_wi
     def load(n: int, concurrency: int, max_tokens: int) -> subprocess.Popen:
         cmd = [sys.executable, CLIENT, "load", base, key, str(n), str(concurrency),
                str(max_tokens), str(REQUEST_TIMEOUT)]  # fmt: skip
-        return subprocess.Popen(["ip", "netns", "exec", hosts.head, *cmd], stdout=subprocess.PIPE,
-                                text=True, env=env)  # fmt: skip
+        return hosts.popen(hosts.head, cmd, env, subprocess.PIPE)
 
     def burst(n: int = 8) -> list[dict]:
         out = hosts.run(hosts.head, [sys.executable, CLIENT, "load", base, key, str(n), str(n),
@@ -222,7 +227,8 @@ def test_a_lost_host_fails_only_its_replicas_requests_and_its_replica_returns_wi
         hosts.run(hosts.head, head, env, timeout=START_TIMEOUT)
         hosts.run(hosts.worker, worker, env, timeout=START_TIMEOUT)
         server_log = tmp_path / "serve.log"
-        server = hosts.popen(hosts.head, serve, server_log, env)
+        with open(server_log, "w") as log:  # the child keeps its own copy
+            server = hosts.popen(hosts.head, serve, env, log)
         start = time.monotonic()
 
         # one replica on each host; the head's proxy learns of both by a long poll
