@@ -264,6 +264,10 @@ NOWHERE = "no/such/artifact"
         (["bench", "quality", "tiny-llama", "--kv-sink-tokens", "4"],
          "--kv-sink-tokens needs a --recent-window value >= 1"),
         (["engine", NOWHERE, "--max-blocks", "1"], "--max-blocks must be from 2"),
+        (["serve", NOWHERE, "--ray", "--max-replicas-per-node", "0"],
+         "--max-replicas-per-node must be from 1 to 100, got 0"),
+        (["serve", NOWHERE, "--ray", "--max-replicas-per-node", "101"],
+         "--max-replicas-per-node must be from 1 to 100, got 101"),
         (["engine", NOWHERE, "--max-batch", "0"], "--max-batch must be from 1"),
         (["bench", "speed", "tiny-llama", "--steps", "0"], "--steps must be from 1"),
         (["bench", "speed", "tiny-llama", "--contexts", "99999999"], "--contexts values must be"),
@@ -314,6 +318,9 @@ def test_every_argument_is_validated_before_any_work(capsys, args, message):
          "--replica-cpus needs --ray (it sets up Ray Serve); add --ray or drop --replica-cpus"),
         (["serve", NOWHERE, "--replicas", "1"],
          "--replicas needs --ray (it sets up Ray Serve); add --ray or drop --replicas"),
+        (["serve", NOWHERE, "--max-replicas-per-node", "1"],
+         "--max-replicas-per-node needs --ray (it sets up Ray Serve); add --ray or drop "
+         "--max-replicas-per-node"),
         (["serve", NOWHERE, "--metrics-public"],
          "--metrics-public needs --api-key (or TQEXPORT_API_KEY): without a key every route is "
          "open already"),

@@ -19,6 +19,7 @@ from tqexport.serve.app import REPLICA_HEADER
 from tqexport.serve.runner import listen
 
 pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.ray
 
 MODEL = "tiny"
 #: seconds any one request may take (a hung request fails the test, never blocks it)

@@ -620,6 +620,10 @@ def serve(
     replica_cpus: Annotated[
         float, typer.Option(help="With --ray: CPUs Ray reserves for each replica.")
     ] = 1.0,
+    max_replicas_per_node: Annotated[
+        int | None,
+        typer.Option(help="With --ray: most replicas Ray places on one node (default: no limit)."),
+    ] = None,
 ):
     """Serve an artifact over OpenAI's HTTP API: /v1/completions, /v1/chat/completions
     (streamed or whole), /v1/models, /health, /metrics; SIGTERM drains and exits 0."""
@@ -636,7 +640,9 @@ def serve(
     validate.number(grace_seconds, "--grace-seconds", 0.0)
     validate.integer(replicas, "--replicas", 1, 1024)
     validate.number(replica_cpus, "--replica-cpus", 0.0)
-    for name in ("replicas", "ray_address", "replica_cpus"):
+    if max_replicas_per_node is not None:
+        validate.integer(max_replicas_per_node, "--max-replicas-per-node", 1, 100)  # Ray's range
+    for name in ("replicas", "ray_address", "replica_cpus", "max_replicas_per_node"):
         if given(ctx, name) and not ray:
             flag = "--" + name.replace("_", "-")
             raise TQExportError(
@@ -653,7 +659,8 @@ def serve(
         open_artifact(artifact)  # a bad artifact fails here, not in every replica
         name = served_model_name or str(artifact)
         serve_on_ray(artifact, config, host, port, name, api_key, replicas, ray_address,
-                     replica_cpus, grace_seconds, metrics_public)  # fmt: skip
+                     replica_cpus, grace_seconds, metrics_public,
+                     max_replicas_per_node)  # fmt: skip
         return
     from tqexport.serve.runner import serve as run_server
 

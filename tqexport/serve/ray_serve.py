@@ -43,9 +43,11 @@ def application(
     replica_cpus: float,
     grace_seconds: float,
     metrics_public: bool = False,
+    max_replicas_per_node: int | None = None,
 ):
     """The bound Ray Serve application: ``replicas`` copies of the app, each building its own
-    engine from ``artifact`` when Ray starts it (a replacement replica does the same)."""
+    engine from ``artifact`` when Ray starts it (a replacement replica does the same), at most
+    ``max_replicas_per_node`` on one node (None: no limit)."""
     _, serve = _ray()
     path = str(Path(artifact).resolve())
 
@@ -66,6 +68,7 @@ def application(
         max_ongoing_requests=config.max_num_seqs,
         graceful_shutdown_timeout_s=grace_seconds,
         ray_actor_options={"num_cpus": replica_cpus},
+        max_replicas_per_node=max_replicas_per_node,
     )
     return deployment.bind()
 
@@ -92,6 +95,7 @@ def serve_on_ray(
     replica_cpus: float,
     grace_seconds: float,
     metrics_public: bool = False,
+    max_replicas_per_node: int | None = None,
 ) -> None:
     """Serve ``artifact`` on Ray Serve until SIGTERM/SIGINT. Without ``address`` a local Ray
     instance is started on 127.0.0.1 and shut down at the end; with one, the cluster is
@@ -120,7 +124,7 @@ def serve_on_ray(
             serve.start(http_options=HTTPOptions(host=host, port=port))
             app = application(
                 artifact, config, served_model_name, api_key, replicas, replica_cpus,
-                grace_seconds, metrics_public,
+                grace_seconds, metrics_public, max_replicas_per_node,
             )  # fmt: skip
             try:
                 serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
