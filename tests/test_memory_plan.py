@@ -24,8 +24,6 @@ FULL_BLOCK, WINDOW_BLOCK = 4096, 81920
 MIB4 = 4 * 2**20
 
 
-
-
 @pytest.fixture
 def gemma3(artifacts):
     return open_artifact(artifacts("tiny-gemma3", "fp8", ["sw"]))

@@ -69,15 +69,15 @@ def resolve_num_blocks(
     never gets more than ``max_num_seqs`` sequences' worth plus one step's tokens
     (``CacheGroup.max_blocks``), nor more than the full-attention groups. A recent-window group
     gets exactly that, paid first. With a memory budget the rest is split for sequences of
-    ``context`` tokens (the longest sequence served, ``engine.context_limit``): the full-attention groups get the blocks of the
-    k such sequences the budget holds (k <= ``max_num_seqs``), the windowed groups what is left
-    up to what they can use, so at ``context`` tokens the full-attention groups bound the batch;
-    what the windowed groups cannot use goes to the full-attention groups. Where that gives the
-    full-attention groups fewer blocks than an equal split (a ``context`` within the window),
-    or without a ``context``, every group gets the equal split. ``--num-blocks`` gives the
-    full-attention groups that count. ``memory_limit``: bytes the caches may take at most (the
-    executor passes this machine's RAM, its caches live in host memory); ``None`` only bounds
-    the block count."""
+    ``context`` tokens (the longest served, ``engine.context_limit``): the full-attention groups
+    get the blocks of the k such sequences the budget holds (k <= ``max_num_seqs``), the
+    windowed groups what is left up to what they can use, so at ``context`` tokens the
+    full-attention groups bound the batch; what the windowed groups cannot use goes to the
+    full-attention groups. Where that gives the full-attention groups fewer blocks than an equal
+    split (a ``context`` within the window), or without a ``context``, every group gets the
+    equal split. ``--num-blocks`` gives the full-attention groups that count. ``memory_limit``:
+    bytes the caches may take at most (the executor passes this machine's RAM, its caches live
+    in host memory); ``None`` only bounds the block count."""
     spec = artifact.spec
     if num_blocks is not None and memory is not None:
         raise TQExportError("give --num-blocks or --kv-cache-memory, not both")
