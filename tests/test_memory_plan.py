@@ -86,7 +86,7 @@ def test_allocation_reports_the_groups_and_the_sequences_at_the_context(gemma3):
         (45, 46 * WINDOW_BLOCK, 3),
     ]
     s = doc["summary"]
-    assert (s["max_seqs_at_context"], s["bound_by"], s["max_tokens_per_seq"]) == (
+    assert (s["max_seqs_at_context"], s["bound_by"], s["full_attention_tokens"]) == (
         3,
         "group 0",
         103 * 16,

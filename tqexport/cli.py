@@ -399,14 +399,16 @@ def inspect(
     kv_cache_memory: MemoryOptions[1] = None,
     max_model_len: MemoryOptions[2] = None,
     max_num_seqs: Annotated[
-        int, typer.Option(help="Sequences per step (sizes the recent-window caches).")
+        int,
+        typer.Option(help="Sequences per step (sizes the windowed caches, bounds the batch)."),
     ] = _ENGINE.max_num_seqs,
     max_num_batched_tokens: Annotated[
         int, typer.Option(help="Token budget per step (sizes the recent-window caches).")
     ] = _ENGINE.max_num_batched_tokens,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ):
-    """Per-layer cache allocation of an artifact, and totals vs an all-bf16 cache."""
+    """Per-layer and per-group cache allocation of an artifact, totals vs an all-bf16 cache, and
+    how many sequences of the longest length served fit at once."""
     from tqexport.contract.artifact import open_artifact
     from tqexport.native.library import choose as choose_kernels
     from tqexport.runtime.engine import context_limit
@@ -425,8 +427,10 @@ def inspect(
             f"--max-num-batched-tokens has no effect: {artifact} has no windowed caches for it "
             "to size; drop it"
         )
-    tokenizer = load_tokenizer(art.path) if has_tokenizer(art.path) else None
-    context, _ = context_limit(art, max_model_len, tokenizer)
+    # the tokenizer is read only where it is the one source of the position limit
+    context, _ = context_limit(art, max_model_len)
+    if context is None and has_tokenizer(art.path):
+        context, _ = context_limit(art, max_model_len, load_tokenizer(art.path))
     plan = allocation(spec, config.group_blocks(art, context=context), context, max_num_seqs,
                       max_num_batched_tokens)  # fmt: skip
     rows, groups, summary = plan["layers"], plan["groups"], plan["summary"]
@@ -477,10 +481,10 @@ def inspect(
             f"group {g['id']} ({what}): layers {g['layers']}, {g['blocks']} usable blocks, "
             f"{fmt_bytes(g['bytes'])}; a sequence holds {holds}"
         )
-    longest = summary["max_tokens_per_seq"]
+    tokens = summary["full_attention_tokens"]
     console.print(
         f"total {fmt_bytes(total)}"
-        + (f", a sequence of up to {longest} tokens" if longest is not None else "")
+        + (f", {tokens} tokens in the full-attention caches" if tokens is not None else "")
         + f"; an all-bf16 cache of the same blocks: {fmt_bytes(bf16)} ({bf16 / total:.2f}x)"
     )
     if context is not None:

@@ -213,7 +213,7 @@ def allocation(
     summary = {
         "num_blocks": blocks,
         "block_size": spec.block_size,
-        "max_tokens_per_seq": (max(full) - 1) * spec.block_size if full else None,
+        "full_attention_tokens": (max(full) - 1) * spec.block_size if full else None,
         "total_bytes": sum(r["bytes"] for r in layers),
         "bf16_total_bytes": sum(
             per_group[la.group] * spec.block_size * 4 * la.cache.head_size * la.cache.num_kv_heads
