@@ -179,3 +179,25 @@ def test_inspect_prints_the_plan_for_max_model_len(gemma3, capsys):
         "",
         "error: --max-model-len 600 exceeds the model's position limit of 512 tokens; lower it\n",
     )
+
+
+def test_engine_splits_for_max_model_len_and_names_it_in_rejections(gemma3):
+    from tqexport.errors import TQExportError
+    from tqexport.runtime.engine import Engine, EngineConfig
+
+    # the default length is the model's position limit, 512: the plan worked out above
+    assert Engine(gemma3, EngineConfig(kv_cache_memory="4MiB")).executor.group_num_blocks == [
+        104,
+        46,
+    ]
+    engine = Engine(gemma3, EngineConfig(kv_cache_memory="4MiB", max_model_len=100))
+    # 100 tokens: 7 full blocks and 3 window blocks a sequence; 4 MiB holds
+    # (4194304 - 33 * 81920 - 4096) // (7 * 4096 + 3 * 81920) = 5, so the full group gets
+    # 1 + 5 * 7 = 36 blocks, the window group 33 + (4194304 - 2703360 - 36 * 4096) * 3 // 245760
+    # = 33 + 16 = 49, and the full group what is left: (4194304 - 49 * 81920) // 4096 = 44,
+    # fewer than the equal split's 48: every group gets 48
+    assert engine.executor.group_num_blocks == [48, 48]
+    with pytest.raises(TQExportError, match="exceeds the --max-model-len limit of 100 tokens"):
+        engine.check_prompt_size(list(range(101)))
+    with pytest.raises(TQExportError, match="--max-model-len 600 exceeds the model's position"):
+        Engine(gemma3, EngineConfig(kv_cache_memory="4MiB", max_model_len=600))
