@@ -358,8 +358,8 @@ def test_options_an_artifact_target_ignores_are_refused(artifacts, capsys, monke
         (["bench", "speed", art, "--recent-window", "32"],
          f"--recent-window has no effect when TARGET is an artifact ({art}, compared with auto "
          "as built); drop it, or give a model to build per dtype"),
-        (["inspect", art, "--max-num-seqs", "8"],
-         f"--max-num-seqs has no effect: {art} has no recent-window caches for it to size; "
+        (["inspect", art, "--max-num-batched-tokens", "8"],
+         f"--max-num-batched-tokens has no effect: {art} has no windowed caches for it to size; "
          "drop it"),
     ]:  # fmt: skip
         code, out, err = main_inproc(capsys, *args)

@@ -397,41 +397,48 @@ def inspect(
     artifact: Annotated[Path, typer.Argument(help="Artifact directory.")],
     num_blocks: MemoryOptions[0] = None,
     kv_cache_memory: MemoryOptions[1] = None,
+    max_model_len: MemoryOptions[2] = None,
     max_num_seqs: Annotated[
-        int, typer.Option(help="Sequences per step (sizes the recent-window caches).")
+        int,
+        typer.Option(help="Sequences per step (sizes the windowed caches, bounds the batch)."),
     ] = _ENGINE.max_num_seqs,
     max_num_batched_tokens: Annotated[
         int, typer.Option(help="Token budget per step (sizes the recent-window caches).")
     ] = _ENGINE.max_num_batched_tokens,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ):
-    """Per-layer cache allocation of an artifact, and totals vs an all-bf16 cache."""
+    """Per-layer and per-group cache allocation of an artifact, totals vs an all-bf16 cache, and
+    how many sequences of the longest length served fit at once."""
     from tqexport.contract.artifact import open_artifact
     from tqexport.native.library import choose as choose_kernels
+    from tqexport.runtime.engine import context_limit
     from tqexport.runtime.memory import allocation
+    from tqexport.runtime.text import has_tokenizer, load_tokenizer
     from tqexport.spec import recent_label
 
     config = EngineConfig(
         num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
     )  # fmt: skip
     art = open_artifact(artifact)
     spec = art.spec
-    if not any(g.recent for g in spec.groups):
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if given(ctx, name):
-                raise TQExportError(
-                    f"--{name.replace('_', '-')} has no effect: {artifact} has no recent-window "
-                    "caches for it to size; drop it"
-                )
-    plan = allocation(spec, config.group_blocks(art))
+    if not any(g.window for g in spec.groups) and given(ctx, "max_num_batched_tokens"):
+        raise TQExportError(
+            f"--max-num-batched-tokens has no effect: {artifact} has no windowed caches for it "
+            "to size; drop it"
+        )
+    # the tokenizer is read only where it is the one source of the position limit
+    context, _ = context_limit(art, max_model_len)
+    if context is None and has_tokenizer(art.path):
+        context, _ = context_limit(art, max_model_len, load_tokenizer(art.path))
+    plan = allocation(spec, config.group_blocks(art, context=context), context, max_num_seqs,
+                      max_num_batched_tokens)  # fmt: skip
     rows, groups, summary = plan["layers"], plan["groups"], plan["summary"]
     kernels = choose_kernels(spec)  # what ONNX Runtime's CPU provider runs each layer on
     plan["kernels"] = {"ort_cpu": kernels.kernels, "why": kernels.reason}
     for r in rows:
         r["kernels"] = kernels.kernels
     blocks, total, bf16 = summary["num_blocks"], summary["total_bytes"], summary["bf16_total_bytes"]
-    tokens = summary["usable_tokens_per_group"]
     if as_json:
         print(json.dumps(plan, indent=2))
         return
@@ -468,13 +475,24 @@ def inspect(
         what = "full attention" if g["window"] is None else f"window {g['window']}"
         what = f"recent-window caches, {what}" if g["recent"] else what
         what += f", and the first {g['sink_tokens']} tokens" if g["sink_tokens"] else ""
+        per_seq = g["max_blocks_per_seq"]
+        holds = f"at most {per_seq} blocks" if per_seq else "all its blocks"
         console.print(
-            f"group {g['id']} ({what}): layers {g['layers']}, {g['blocks']} usable blocks"
+            f"group {g['id']} ({what}): layers {g['layers']}, {g['blocks']} usable blocks, "
+            f"{fmt_bytes(g['bytes'])}; a sequence holds {holds}"
         )
+    tokens = summary["full_attention_tokens"]
     console.print(
-        f"total {fmt_bytes(total)} for {tokens} tokens; an all-bf16 cache of the same blocks: "
-        f"{fmt_bytes(bf16)} ({bf16 / total:.2f}x)",
+        f"total {fmt_bytes(total)}"
+        + (f", {tokens} tokens in the full-attention caches" if tokens is not None else "")
+        + f"; an all-bf16 cache of the same blocks: {fmt_bytes(bf16)} ({bf16 / total:.2f}x)"
     )
+    if context is not None:
+        bound = summary["bound_by"].replace("max_num_seqs", "--max-num-seqs")
+        console.print(
+            f"at {context} tokens per sequence: {summary['max_seqs_at_context']} sequences at "
+            f"once ({bound} bounds them)"
+        )
     console.print(printable(f"ONNX Runtime (CPU) runs the layers on {kernels.reason}"))
 
 
@@ -496,6 +514,7 @@ def run(
     backend: EngineOptions[0] = _ENGINE.backend,
     num_blocks: MemoryOptions[0] = _ENGINE.num_blocks,
     kv_cache_memory: MemoryOptions[1] = _ENGINE.kv_cache_memory,
+    max_model_len: MemoryOptions[2] = _ENGINE.max_model_len,
     max_num_batched_tokens: EngineOptions[1] = _ENGINE.max_num_batched_tokens,
     max_num_seqs: EngineOptions[2] = _ENGINE.max_num_seqs,
     threads: EngineOptions[3] = _ENGINE.threads,
@@ -529,7 +548,7 @@ def run(
                 )
     config = EngineConfig(
         backend, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads,
-        chat_template, kernels,
+        chat_template, kernels, max_model_len,
     )  # fmt: skip
     texts = [prompt] if prompt is not None else validate.prompts_file(prompts_file)
     engine = Engine.from_artifact(artifact, config)
@@ -599,6 +618,7 @@ def serve(
     backend: EngineOptions[0] = _ENGINE.backend,
     num_blocks: MemoryOptions[0] = _ENGINE.num_blocks,
     kv_cache_memory: MemoryOptions[1] = _ENGINE.kv_cache_memory,
+    max_model_len: MemoryOptions[2] = _ENGINE.max_model_len,
     max_num_batched_tokens: EngineOptions[1] = _ENGINE.max_num_batched_tokens,
     max_num_seqs: EngineOptions[2] = _ENGINE.max_num_seqs,
     threads: EngineOptions[3] = _ENGINE.threads,
@@ -650,7 +670,7 @@ def serve(
             )
     config = EngineConfig(
         backend, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads,
-        chat_template, kernels,
+        chat_template, kernels, max_model_len,
     )  # fmt: skip
     if ray:
         from tqexport.contract.artifact import open_artifact

@@ -87,9 +87,22 @@ KernelsOption = Annotated[
 ]
 
 MemoryOptions = (
-    Annotated[int | None, typer.Option(help="Cache blocks per layer (block 0 is the null block).")],
+    Annotated[
+        int | None,
+        typer.Option(
+            help="Cache blocks per full-attention layer (block 0 is the null block; windowed "
+            "layers get what they can use)."
+        ),
+    ],
     Annotated[
         str | None, typer.Option(help="KV budget, e.g. 512MiB (default when no --num-blocks).")
+    ],
+    Annotated[
+        int | None,
+        typer.Option(
+            help="Longest sequence (prompt + output) served; the KV budget is split between "
+            "windowed and full-attention layers for it (default: the model's position limit)."
+        ),
     ],
 )
 

@@ -480,28 +480,37 @@ class CacheGroup:
         """Blocks holding a sequence's sink tokens (never freed while it runs)."""
         return -(-self.sink_tokens // self.block_size)
 
+    @property
+    def window_blocks(self) -> int | None:
+        """Blocks a sequence holds at most in a windowed group: its window plus a partial block
+        at each end (and its sink tokens' blocks); None for full attention (no bound)."""
+        if self.window is None:
+            return None
+        return -(-self.window // self.block_size) + 2 + self.sink_blocks
+
     def live_blocks(self, tokens: int) -> int:
         """Blocks one sequence of ``tokens`` holds at once: all of them, or for a windowed group
-        its window plus a partial block at each end (and its sink tokens' blocks)."""
+        at most :attr:`window_blocks`."""
         total = -(-tokens // self.block_size)
-        if self.window is None:
-            return total
-        return min(total, -(-self.window // self.block_size) + 2 + self.sink_blocks)
+        return total if self.window is None else min(total, self.window_blocks)
 
     @property
     def bounded(self) -> bool:
-        """Whether the group's caches are sized by :meth:`max_blocks`, not the memory budget."""
+        """Whether the group's caches are sized by :meth:`max_blocks` alone, before the memory
+        budget is split (a recent-window group)."""
         return self.recent
 
-    def max_blocks(self, max_num_seqs: int, max_step_tokens: int) -> int | None:
-        """Blocks this group's caches are sized to, or None when the memory budget sizes them.
-        A recent-window group needs only every running sequence's window, one step's new
-        tokens and the null block (what vLLM's ``SlidingWindowSpec.max_memory_usage_bytes``
-        bounds per sequence)."""
-        if not self.bounded:
+    def max_blocks(
+        self, max_num_seqs: int, max_step_tokens: int, tokens: int | None = None
+    ) -> int | None:
+        """Blocks a windowed group can use at most with ``max_num_seqs`` sequences (of at most
+        ``tokens`` tokens) running: each one's live blocks, one step's new tokens and the null
+        block (what vLLM's ``SlidingWindowSpec.max_memory_usage_bytes`` bounds per sequence);
+        None for full attention, which can use any number."""
+        if self.window is None:
             return None
         steps = -(-max_step_tokens // self.block_size)
-        per_seq = -(-self.window // self.block_size) + 2 + self.sink_blocks
+        per_seq = self.window_blocks if tokens is None else self.live_blocks(tokens)
         return 1 + max_num_seqs * per_seq + steps
 
     def to_dict(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from tqexport.errors import TQExportError
 from tqexport.runtime.engine import Engine, RequestOutput
+from tqexport.runtime.executor import limit_words
 from tqexport.runtime.sequence import SamplingParams
 
 
@@ -41,7 +42,7 @@ def run_batch(
         if room is not None and 0 < room < n:
             n = room
             what = (
-                f"the model's position limit is {limit} tokens"
+                f"{limit_words(engine.limit_name)} is {limit} tokens"
                 if limit == engine.max_model_len
                 else f"the KV cache holds {limit} tokens"
             )

@@ -34,19 +34,25 @@ class GroupAllocator:
         for _ in range(self.blocks_needed(table, upto_tokens)):
             table.append(self.free.popleft())
 
-    def drop_out_of_window(self, table: list[int], next_query_pos: int) -> None:
-        """Free blocks whose every position is invisible to queries at >= next_query_pos (a
-        recent group's sink blocks, the sequence's first, stay: every query reads them)."""
+    def _out_of_window(self, table: list[int], next_query_pos: int) -> list[int]:
+        """Indices of ``table``'s blocks whose every position is invisible to queries at >=
+        next_query_pos (a recent group's sink blocks, the sequence's first, never are)."""
         w = self.group.window
         if w is None:
-            return
-        for i, block in enumerate(table):
-            last_pos = (i + 1) * self.block_size - 1
-            if i < self.group.sink_blocks:
-                continue
-            if block != NULL_BLOCK and last_pos <= next_query_pos - w:
-                self.free.append(block)
-                table[i] = NULL_BLOCK
+            return []
+        # block i's last position is (i + 1) * block_size - 1 <= next_query_pos - w
+        end = min(len(table), (next_query_pos - w + 1) // self.block_size)
+        return [i for i in range(self.group.sink_blocks, end) if table[i] != NULL_BLOCK]
+
+    def reclaimable(self, table: list[int], next_query_pos: int) -> int:
+        """Blocks :meth:`drop_out_of_window` would free now."""
+        return len(self._out_of_window(table, next_query_pos))
+
+    def drop_out_of_window(self, table: list[int], next_query_pos: int) -> None:
+        """Free the blocks no query at >= next_query_pos sees; the null block takes their place."""
+        for i in self._out_of_window(table, next_query_pos):
+            self.free.append(table[i])
+            table[i] = NULL_BLOCK
 
     def release(self, table: list[int]) -> None:
         self.free.extend(b for b in table if b != NULL_BLOCK)
@@ -65,9 +71,12 @@ class BlockManager:
         return all(g.max_live_blocks(tokens) <= g.capacity for g in self.groups)
 
     def can_grow(self, seq: Sequence, upto_tokens: int) -> bool:
+        """Whether every group has the blocks ``seq`` needs for positions < upto_tokens,
+        counting the ones that leave its window first (:meth:`grow` frees those before it
+        takes new ones)."""
         tables = seq.block_tables or [[] for _ in self.groups]
         return all(
-            g.blocks_needed(t, upto_tokens) <= len(g.free)
+            g.blocks_needed(t, upto_tokens) <= len(g.free) + g.reclaimable(t, seq.num_cached)
             for g, t in zip(self.groups, tables, strict=True)
         )
 

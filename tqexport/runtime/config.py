@@ -32,6 +32,9 @@ class EngineConfig:
     #: what runs the attention/cache ops on ONNX Runtime's CPU provider (auto: the native
     #: kernels where they serve the artifact, else the function bodies)
     kernels: str = "auto"
+    #: the longest sequence (prompt + output) served, vLLM's ``--max-model-len``; the memory plan
+    #: is split for it (None: the model's position limit)
+    max_model_len: int | None = None
 
     def __post_init__(self):
         validate.serving(
@@ -51,6 +54,8 @@ class EngineConfig:
                     f"{self.backend}; drop it"
                 )
         validate.choice(self.kernels, "--kernels", KERNEL_CHOICES)
+        if self.max_model_len is not None:
+            validate.integer(self.max_model_len, "--max-model-len", 1)
         if self.kernels != "auto" and self.backend != "ort":
             raise TQExportError(
                 f"--kernels {self.kernels} chooses ONNX Runtime's kernels; --backend "
@@ -66,9 +71,12 @@ class EngineConfig:
             return None
         return self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
 
-    def group_blocks(self, artifact, memory_limit: int | None = None) -> list[int]:
+    def group_blocks(
+        self, artifact, memory_limit: int | None = None, context: int | None = None
+    ) -> list[int]:
         """Blocks per cache group these settings give ``artifact`` (what ``inspect`` prints);
-        ``memory_limit``: bytes the caches may take at most."""
+        ``memory_limit``: bytes the caches may take at most; ``context``: the longest sequence
+        served (``engine.context_limit``), which a budget is split for."""
         from tqexport.runtime.memory import resolve_num_blocks
 
         return resolve_num_blocks(
@@ -78,4 +86,5 @@ class EngineConfig:
             self.max_num_seqs,
             self.max_num_batched_tokens,
             memory_limit=memory_limit,
+            context=context,
         )

@@ -19,7 +19,7 @@ from tqexport.errors import TQExportError
 from tqexport.runtime.blocks import BlockManager
 from tqexport.runtime.chat import encode_messages
 from tqexport.runtime.config import EngineConfig
-from tqexport.runtime.executor import Executor
+from tqexport.runtime.executor import Executor, limit_words
 from tqexport.runtime.sequence import SamplingParams, Sequence, Status
 from tqexport.runtime.text import (
     NORMALIZER_MERGE,
@@ -120,6 +120,20 @@ def position_limit(artifact: Artifact, tokenizer=None) -> int | None:
     return n if n is not None and n < 10**7 else None  # transformers' "unset" is ~1e30
 
 
+def context_limit(artifact: Artifact, max_model_len: int | None = None, tokenizer=None):
+    """(the longest sequence served, what sets it): ``max_model_len`` (``--max-model-len``, at
+    most the model's position limit), else the model's position limit (None: unknown)."""
+    limit = position_limit(artifact, tokenizer)
+    if max_model_len is None:
+        return limit, "max_position_embeddings"
+    if limit is not None and max_model_len > limit:
+        raise TQExportError(
+            f"--max-model-len {max_model_len} exceeds the model's position limit of {limit} "
+            "tokens; lower it"
+        )
+    return max_model_len, "--max-model-len"
+
+
 def cache_token_limit(blocks: BlockManager) -> int | None:
     """The longest sequence the whole cache holds (None: any length, every group is windowed)."""
     hi = 2**40
@@ -152,15 +166,17 @@ class Engine:
         """``source_model``: the torch backend's already loaded model (skips reloading it)."""
         self.artifact = artifact
         self.config = config = config or EngineConfig()
-        # the cache size is checked against this machine's memory before anything loads
-        config.group_blocks(artifact, memory_limit=validate.physical_memory())
         path = artifact.path
         self.tokenizer = load_tokenizer(path) if has_tokenizer(path) else None
+        #: the longest sequence served (None: unknown), and what sets it
+        self.max_model_len, self.limit_name = context_limit(
+            artifact, config.max_model_len, self.tokenizer
+        )
+        # the cache size is checked against this machine's memory before the weights load
+        config.group_blocks(artifact, validate.physical_memory(), self.max_model_len)
         self.eos_token_ids = stop_token_ids(path, self.tokenizer)
         #: (characters one token stands for at most, the vocabulary's longest entry)
         self.token_chars = max_token_chars(self.tokenizer) if self.tokenizer else None
-        #: the model's position limit (None: unknown)
-        self.max_model_len = position_limit(artifact, self.tokenizer)
         self.executor = Executor(
             artifact,
             backend=config.backend,
@@ -171,6 +187,7 @@ class Engine:
             threads=config.threads,
             source_model=source_model,
             max_model_len=self.max_model_len,
+            limit_name=self.limit_name,
             kernels=config.kernels,
         )
         #: the longest sequence the whole cache holds (None: any)
@@ -193,7 +210,7 @@ class Engine:
     def _limit_text(self) -> str:
         limit = self.max_seq_len
         if limit == self.max_model_len:
-            return f"the model's position limit of {limit} tokens"
+            return f"{limit_words(self.limit_name)} of {limit} tokens"
         return f"the {limit} tokens the whole KV cache holds"
 
     def check_prompt_size(self, prompt: Prompt) -> None:
@@ -218,8 +235,8 @@ class Engine:
         n = len(prompt)
         if n > limit and limit == self.max_model_len:
             raise TQExportError(
-                f"a prompt of {n} tokens exceeds the model's position limit of {limit} tokens "
-                "(max_position_embeddings)"
+                f"a prompt of {n} tokens exceeds {limit_words(self.limit_name)} of {limit} tokens "
+                f"({self.limit_name})"
             )
         if n > limit:
             bs = self.executor.blocks.groups[0].block_size

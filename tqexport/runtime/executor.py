@@ -18,6 +18,13 @@ from tqexport.runtime.scheduler import Scheduler
 from tqexport.runtime.sequence import SamplingParams, Sequence
 
 
+def limit_words(limit_name: str) -> str:
+    """How messages name the sequence length limit that ``limit_name`` sets."""
+    if limit_name == "max_position_embeddings":
+        return "the model's position limit"
+    return f"the {limit_name} limit"
+
+
 @dataclass
 class StepEvent:
     seq: Sequence
@@ -37,10 +44,13 @@ class Executor:
         source_model=None,
         max_model_len: int | None = None,
         kernels: str = "auto",
+        limit_name: str = "max_position_embeddings",
     ):
         """``source_model``: the torch backend's already loaded model (skips reloading it).
         ``max_model_len``: the model's position limit; a request whose prompt plus max_tokens
-        exceeds it is rejected (finished with a "rejected: ..." reason, never run)."""
+        exceeds it is rejected (finished with a "rejected: ..." reason, never run), and a memory
+        budget is split for sequences of that length (``memory.resolve_num_blocks``);
+        ``limit_name``: what set it, named in rejections (or ``--max-model-len``)."""
         self.artifact = artifact
         self.spec = artifact.spec
         validate.choice(backend, "backend", ("ort", "torch", "trt"))
@@ -49,10 +59,11 @@ class Executor:
         if max_model_len is not None:
             validate.integer(max_model_len, "max_model_len", 1)
         self.max_model_len = max_model_len
+        self.limit_name = limit_name
         #: blocks per cache group; the layers' own caches have ``num_blocks``
         self.group_num_blocks = resolve_num_blocks(
             artifact, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
-            memory_limit=validate.physical_memory(),
+            memory_limit=validate.physical_memory(), context=max_model_len,
         )  # fmt: skip
         self.num_blocks = max(self.group_num_blocks)
         if backend == "ort":
@@ -100,8 +111,8 @@ class Executor:
             seq.finish(
                 f"rejected: a prompt of {len(prompt)} tokens"
                 + (f" plus max_tokens {params.max_tokens}" if len(prompt) < limit else "")
-                + f" exceeds the model's position limit of {limit} tokens"
-                + (" (max_position_embeddings)" if len(prompt) >= limit else "; lower max_tokens")
+                + f" exceeds {limit_words(self.limit_name)} of {limit} tokens"
+                + (f" ({self.limit_name})" if len(prompt) >= limit else "; lower max_tokens")
             )
             return seq
         self.scheduler.add(seq)
