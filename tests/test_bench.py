@@ -4,6 +4,7 @@ checked against direct computations; evaluation text and chunking; report goals.
 import hashlib
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from tqexport.kvquant.codecs import make_codec
 from tqexport.models.loader import load_model
 
 MODEL = "tiny-llama"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class ByteTokenizer:
@@ -400,3 +402,23 @@ def test_report_renders_a_peer_speed_run(tmp_path):
     bad.write_text(json.dumps({"threads": 2, "steps": 4, "decode": [{"context": 1}]}))
     with pytest.raises(ValueError, match="not a peer-speed run"):
         speed_report.read_peer_speed(bad)
+
+
+def test_quality_plot_labels_never_overlap_and_the_frontier_is_named(tmp_path):
+    """The report's PPL-vs-bits plot (on the committed results): no two labels overlap, and
+    every point of the best trade-offs (the frontier) and every peer point carries its label."""
+    results = json.loads((ROOT / "docs" / "report" / "results.json").read_text())
+    rows = results["rows"]
+    labels = report.plot_quality(rows, tmp_path / "p.png")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(labels[0].figure)
+    canvas.draw()
+    boxes = [t.get_window_extent(canvas.get_renderer()) for t in labels]
+    assert not [(a.get_text(), b.get_text()) for i, (a, x) in enumerate(zip(labels, boxes))
+                for b, y in zip(labels[i + 1:], boxes[i + 1:]) if x.overlaps(y)]  # fmt: skip
+    named = {t.get_text() for t in labels}
+    frontier = report._frontier([r for r in rows if r["tool"] == "tqexport"])
+    assert {r["label"] for r in frontier} <= named
+    assert {"llama.cpp q8_0", "llama.cpp q4_0", "llama.cpp f16"} <= named
+    assert (tmp_path / "p.png").stat().st_size > 0
