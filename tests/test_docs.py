@@ -315,8 +315,10 @@ def test_a_failing_block_fails(tmp_path):
 
 def test_markers_are_read_from_the_line_before_a_block(tmp_path):
     page = tmp_path / "p.md"
-    page.write_text("<!-- test: model=tiny-llama -->\n```bash\ntqexport plan smollm2\n```\n"
-                    "<!-- test: skip needs a GPU with TensorRT -->\n```console\n$ x\n```\n")  # fmt: skip
+    page.write_text(
+        "<!-- test: model=tiny-llama -->\n```bash\ntqexport plan smollm2\n```\n"
+        "<!-- test: skip needs a GPU with TensorRT -->\n```console\n$ x\n```\n"
+    )
     a, b = blocks(str(page))
     assert (a.lang, a.marks, a.line) == ("bash", {"model": "tiny-llama"}, 2)
     assert b.marks == {"skip": "needs a GPU with TensorRT"}
