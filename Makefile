@@ -70,6 +70,7 @@ bench: install
 	$(BIN)/python benchmarks/peers_speed.py --json $(REPORT_DIR)/speed_peers.json
 	$(BIN)/tqexport bench report smollm2 -o $(REPORT_DIR) --peer-speed-json $(REPORT_DIR)/speed_peers.json $(foreach f,quality quality_native quality_recent quality_calibrated quality_4096 quality_4096_k4 quality_4096_k3 quality_4096_mse45 quality_4096_mse35,--quality-json $(REPORT_DIR)/$(f).json)
 	$(BIN)/python benchmarks/codec_throughput.py
+	$(BIN)/python -m tqexport.bench.glance README.md $(REPORT_DIR)/results.json
 
 # The generated parts of the docs: the CLI reference (typer's own generator) and the README's
 # formats table (from the report's results.json). tests/test_docs.py fails while either is stale.

@@ -325,3 +325,27 @@ def test_markers_are_read_from_the_line_before_a_block(tmp_path):
     text = Session(tmp_path).text(Block("p.md", 1, "bash", "build smollm2 -o out/smollm2-x",
                                         {"model": "tiny-llama"}))  # fmt: skip
     assert text == "build tiny-llama -o out/smollm2-x"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_pages_resolves():
+    """Relative links name a file that exists and, with ``#anchor``, one of its headings."""
+    broken = []
+    for page in PAGES:
+        text = FENCE.sub("", (ROOT / page).read_text())
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"\w+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (ROOT / page).parent / path if path else ROOT / page
+            if not dest.exists():
+                broken.append(f"{page}: {target}")
+            elif anchor and dest.suffix == ".md":
+                heads = re.findall(r"^#+ (.*)$", FENCE.sub("", dest.read_text()), re.M)
+                if anchor not in {_slug(h) for h in heads}:
+                    broken.append(f"{page}: {target}")
+    assert not broken
