@@ -40,7 +40,7 @@ def _ratio(point: dict | None, label: str) -> str:
     if point is None:
         return "-"
     ratios = point["speed_vs_auto"]
-    for name in (f"{label} [native]", label):
+    for name in (f"{label} [auto]", f"{label} [native]", label):  # what a default run gets
         if name in ratios:
             return f"{ratios[name]:.2f}x"
     return "-"
@@ -51,7 +51,7 @@ def table(results: dict) -> str:
     configuration whose decode speed the report measured; the best long-window configurations
     follow the table."""
     point = _speed_point(results.get("speed"))
-    measured = set(point["speed_vs_auto"]) if point else set()
+    measured = {re.sub(r" \[\w+\]$", "", n) for n in point["speed_vs_auto"]} if point else set()
     rows = []
     for r in results["rows"]:
         bare = r["label"] == r.get("kv_cache_dtype")
