@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install native test demo bench lint clean vllm-parity
+.PHONY: install native test demo bench lint clean vllm-parity docs
 
 install: $(STAMP) native
 
@@ -70,6 +70,13 @@ bench: install
 	$(BIN)/python benchmarks/peers_speed.py --json $(REPORT_DIR)/speed_peers.json
 	$(BIN)/tqexport bench report smollm2 -o $(REPORT_DIR) --peer-speed-json $(REPORT_DIR)/speed_peers.json $(foreach f,quality quality_native quality_recent quality_calibrated quality_4096 quality_4096_k4 quality_4096_k3 quality_4096_mse45 quality_4096_mse35,--quality-json $(REPORT_DIR)/$(f).json)
 	$(BIN)/python benchmarks/codec_throughput.py
+	$(BIN)/python -m tqexport.bench.glance README.md $(REPORT_DIR)/results.json
+
+# The generated parts of the docs: the CLI reference (typer's own generator) and the README's
+# formats table (from the report's results.json). tests/test_docs.py fails while either is stale.
+docs: install
+	PYTHONPATH=. $(BIN)/typer tqexport.cli utils docs --name tqexport --output docs/cli.md
+	$(BIN)/python -m tqexport.bench.glance README.md $(REPORT_DIR)/results.json
 
 # Opt-in, not part of `make test`: TurboQuant slot bytes against vLLM's own store kernel (its wheel
 # is downloaded, never installed, and its kernel run in the Triton interpreter; ~1 min on 2 cores).

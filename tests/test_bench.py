@@ -4,6 +4,7 @@ checked against direct computations; evaluation text and chunking; report goals.
 import hashlib
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from tqexport.kvquant.codecs import make_codec
 from tqexport.models.loader import load_model
 
 MODEL = "tiny-llama"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class ByteTokenizer:
@@ -400,3 +402,73 @@ def test_report_renders_a_peer_speed_run(tmp_path):
     bad.write_text(json.dumps({"threads": 2, "steps": 4, "decode": [{"context": 1}]}))
     with pytest.raises(ValueError, match="not a peer-speed run"):
         speed_report.read_peer_speed(bad)
+
+
+def test_quality_plot_labels_never_overlap_and_the_frontier_is_named(tmp_path):
+    """The report's PPL-vs-bits plot (on the committed results): no two labels overlap, and
+    every point of the best trade-offs (the frontier) and every peer point carries its label."""
+    results = json.loads((ROOT / "docs" / "report" / "results.json").read_text())
+    rows = results["rows"]
+    labels = report.plot_quality(rows, tmp_path / "p.png")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(labels[0].figure)
+    canvas.draw()
+    boxes = [t.get_window_extent(canvas.get_renderer()) for t in labels]
+    assert not [(a.get_text(), b.get_text()) for i, (a, x) in enumerate(zip(labels, boxes))
+                for b, y in zip(labels[i + 1:], boxes[i + 1:]) if x.overlaps(y)]  # fmt: skip
+    named = {t.get_text() for t in labels}
+    frontier = report._frontier([r for r in rows if r["tool"] == "tqexport"])
+    assert {r["label"] for r in frontier} <= named
+    assert {"llama.cpp q8_0", "llama.cpp q4_0", "llama.cpp f16"} <= named
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_readme_glance_table_quotes_the_report():
+    """The front page's formats table: one row per dtype as run (no-boundary and window
+    variants only when their speed was measured), speed at batch 1 and the longest context,
+    native-kernel labels preferred, where each format runs."""
+    from tqexport.bench import glance
+
+    def row(label, dtype, bits, pct, kl, **kw):
+        return {"tool": "tqexport", "label": label, "kv_cache_dtype": dtype,
+                "bits_per_element": bits, "ppl_delta_pct": pct, "kl": kl, **kw}  # fmt: skip
+
+    results = {
+        "quality": {"chunking": {"chunk_tokens": 1024}},
+        "rows": [row("auto", "auto", 16.0, 0.0, 0.0), row("fp8", "fp8", 8.0, 0.97, 0.0107),
+                 row("fp8 no-boundary", "fp8", 8.0, 1.0, 0.01),
+                 row("tqx_k4v3_mse recent 32", "tqx_k4v3_mse", 3.9, 1.01, 0.01, recent_window=32),
+                 {"tool": "llama.cpp", "label": "q4_0", "bits_per_element": 4.5,
+                  "ppl_delta_pct": 5.54, "kl": 0.05}],
+        "speed": {"decode": [
+            {"context": 1024, "batch": 1, "speed_vs_auto": {"auto": 1.0, "fp8": 0.5}},
+            {"context": 4096, "batch": 8, "speed_vs_auto": {"auto": 1.0, "fp8": 0.4}},
+            {"context": 4096, "batch": 1, "speed_vs_auto": {
+                "auto [native]": 1.0, "fp8 [native]": 0.9, "fp8 [bodies]": 0.7,
+                "tqx_k4v3_mse recent 32 [native]": 0.8}},
+        ]},
+        "goals": [{"goal": "at 4096-token windows, a tqexport-native configuration at <= 3.5 bits "
+                   "per element all in costs <= 1.5% perplexity", "met": True,
+                   "detail": "best: tqx_k4v2_mse recent 60 at 3.500 bits, +1.45%"}],
+    }  # fmt: skip
+    assert glance.table(results).splitlines() == [
+        "| format | bits/element all in | PPL change (1024-token windows) | mean KL "
+        "| decode vs auto (context 4096, batch 1) | runs on |",
+        "|---|---|---|---|---|---|",
+        "| `auto` | 16.00 | +0.00% | 0.00000 | 1.00x | ORT CPU, CUDA, TensorRT, vLLM |",
+        "| `fp8` | 8.00 | +0.97% | 0.01070 | 0.90x | ORT CPU, CUDA, TensorRT, vLLM |",
+        "| `tqx_k4v3_mse recent 32` | 3.90 | +1.01% | 0.01000 | 0.80x | ORT CPU, CUDA, TensorRT |",
+        "",
+        "llama.cpp's own caches on the same text: q4_0 4.50 bits +5.54%.",
+        "",
+        "Best measured at <= 3.5 bits on one 4096-token window: tqx_k4v2_mse recent 60 at 3.500 "
+        "bits, +1.45%.",
+    ]
+    page = f"a\n{glance.BEGIN}\nold\n{glance.END}\nb\n"
+    assert (
+        glance.update(page, results)
+        == f"a\n{glance.BEGIN}\n{glance.table(results)}\n{glance.END}\nb\n"
+    )
+    with pytest.raises(ValueError, match="glance markers"):
+        glance.update("no markers", results)

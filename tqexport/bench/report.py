@@ -187,41 +187,104 @@ def goals(
     return out + (speed_report.peer_speed_goals(peer_speed) if peer_speed else [])
 
 
-def plot_quality(rows: list[dict], path: Path) -> None:
+#: where a point's label may go, tried in order: offset in points, horizontal/vertical anchor
+_LABEL_SPOTS = [(4, 3, "left", "bottom"), (4, -3, "left", "top"), (-4, 3, "right", "bottom"),
+                (-4, -3, "right", "top"), (0, 7, "center", "bottom"), (0, -7, "center", "top"),
+                (10, 0, "left", "center"), (-10, 0, "right", "center"), (4, 11, "left", "bottom"),
+                (4, -11, "left", "top"), (-4, 11, "right", "bottom"), (-4, -11, "right", "top"),
+                (12, 20, "left", "bottom"), (12, -20, "left", "top"), (-12, 20, "right", "bottom"),
+                (-12, -20, "right", "top")]  # fmt: skip
+
+
+def _frontier(rows: list[dict]) -> list[dict]:
+    """The rows no other row beats in both bits and perplexity change (fewest bits first)."""
+    best, out = float("inf"), []
+    for r in sorted(rows, key=lambda r: (r["bits_per_element"], r["ppl_delta_pct"])):
+        if r["ppl_delta_pct"] < best:
+            best = r["ppl_delta_pct"]
+            out.append(r)
+    return out
+
+
+def place_labels(fig, ax, points: list[tuple[float, float, str]], fontsize: float = 7) -> list:
+    """Label each point (in the order given: the first ones matter most) at the first spot
+    where its text overlaps no other label, no marker and stays inside the axes; a label that
+    fits nowhere is left out. Returns the labels placed. Call after the axes' limits and the
+    layout are final."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    inside = ax.get_window_extent(renderer)
+    taken = []
+    for x, y in {(x, y) for x, y, _ in points}:
+        px, py = ax.transData.transform((x, y))
+        taken.append(matplotlib_bbox(px - 4, py - 4, px + 4, py + 4))
+    placed = []
+    for x, y, text in points:
+        for dx, dy, ha, va in _LABEL_SPOTS:
+            far = abs(dy) > 12  # a leader line says whose label a far one is
+            t = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points",
+                            fontsize=fontsize, ha=ha, va=va,
+                            arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "gray"} if far
+                            else None)  # fmt: skip
+            box = t.get_window_extent(renderer)
+            fits = inside.contains(box.x0, box.y0) and inside.contains(box.x1, box.y1)
+            if fits and not any(box.overlaps(o) for o in taken):
+                taken.append(box)
+                placed.append(t)
+                break
+            t.remove()
+    return placed
+
+
+def matplotlib_bbox(x0, y0, x1, y1):
+    from matplotlib.transforms import Bbox
+
+    return Bbox([[x0, y0], [x1, y1]])
+
+
+def plot_quality(rows: list[dict], path: Path) -> list:
+    """PPL change vs bits per element of every row; labels that would overlap are left out,
+    the best trade-offs (the frontier) and the peers labelled first. Returns the labels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(10, 6))
     styles = {"tqexport": ("o", "tab:blue"), "llama.cpp": ("s", "tab:red")}
     for tool, (marker, color) in styles.items():
         pts = [r for r in rows if r["tool"] == tool]
         ax.scatter([r["bits_per_element"] for r in pts], [r["ppl_delta_pct"] for r in pts],
-                   marker=marker, color=color, label=tool)  # fmt: skip
-        for r in pts:
-            ax.annotate(r["label"], (r["bits_per_element"],
-                        r["ppl_delta_pct"]), fontsize=7, xytext=(3, 3),
-                        textcoords="offset points")  # fmt: skip
+                   marker=marker, color=color, label=tool, zorder=3)  # fmt: skip
     ax.set_yscale("symlog", linthresh=1.0)
     ax.set_xlabel("KV bits per element, all in (unquantized boundary layers included)")
     ax.set_ylabel("perplexity increase vs own unquantized baseline (%)")
     ax.axhline(0, color="gray", lw=0.5)
-    ax.legend()
+    ax.legend(loc="upper right")
     ax.grid(alpha=0.3)
+    ax.margins(x=0.12, y=0.08)
+    ax.set_xlim(left=0)  # room for the labels of the fewest-bits points, on their left
     fig.tight_layout()
+    ours = [r for r in rows if r["tool"] == "tqexport"]
+    first = [r for r in rows if r["tool"] != "tqexport"] + _frontier(ours)
+    order = first + [r for r in rows if r not in first]
+    labels = place_labels(fig, ax, [(r["bits_per_element"], r["ppl_delta_pct"],
+                                     r["label"] if r["tool"] == "tqexport"
+                                     else f"llama.cpp {r['label']}") for r in order])  # fmt: skip
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return labels
 
 
 def plot_decode(rows: list[dict], path: Path, ylabel: str, log_y: bool = False) -> None:
-    """Decode tokens/s vs context of every system in ``rows``, one line style per batch."""
+    """Decode tokens/s vs context of every system in ``rows``, one line style per batch; the
+    legend sits beside the axes, never over the lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     names = list(dict.fromkeys(n for r in rows for n in r["tokens_per_second"]))
     batches = sorted({r["batch"] for r in rows})
     for i, name in enumerate(names):
@@ -236,10 +299,9 @@ def plot_decode(rows: list[dict], path: Path, ylabel: str, log_y: bool = False) 
         ax.set_yscale("log")
     ax.set_xlabel("context length (tokens cached per sequence)")
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=7 if log_y else 8, ncol=2 if log_y else 1)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
