@@ -79,14 +79,40 @@ inline float nvfp4_value(int code) {
   return code >= 8 ? -m : m;
 }
 
+// nvfp4 codes (1 sign bit, e2m1) -> values, both signs in one table (built once)
+inline const float* nvfp4_table() {
+  static const struct Table {
+    float v[16];
+    Table() {
+      for (int c = 0; c < 16; ++c) v[c] = nvfp4_value(c);
+    }
+  } table;
+  return table.v;
+}
+
 inline void nvfp4_decode(const uint8_t* in, int d, float global_scale, float* out) {
+  const float* table = nvfp4_table();
+  static_assert(gen::kNvfp4Block == 16, "one vector of codes per block");
   for (int b = 0; b < d / gen::kNvfp4Block; ++b) {
     const float s = gen::kE4M3[in[d / 2 + b]] * global_scale;
+    const uint8_t* codes = in + b * gen::kNvfp4Block / 2;
+    float* o = out + b * gen::kNvfp4Block;
+#if defined(__AVX512F__)
+    // lane 2i: the low nibble of byte i, lane 2i + 1: its high nibble
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+    const __m512i pairs = _mm512_permutexvar_epi32(
+        _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), bytes);
+    const __m512i idx = _mm512_and_si512(
+        _mm512_srlv_epi32(pairs, _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0)),
+        _mm512_set1_epi32(15));
+    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_permutexvar_ps(idx, _mm512_loadu_ps(table)),
+                                      _mm512_set1_ps(s)));
+#else
     for (int i = 0; i < gen::kNvfp4Block / 2; ++i) {
-      const uint8_t byte = in[b * gen::kNvfp4Block / 2 + i];
-      out[b * gen::kNvfp4Block + 2 * i] = nvfp4_value(byte & 15) * s;
-      out[b * gen::kNvfp4Block + 2 * i + 1] = nvfp4_value(byte >> 4) * s;
+      o[2 * i] = table[codes[i] & 15] * s;
+      o[2 * i + 1] = table[codes[i] >> 4] * s;
     }
+#endif
   }
 }
 
