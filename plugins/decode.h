@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -72,6 +73,17 @@ inline void unpack4_parts(const uint8_t* in, int n, const float* table, float* o
   }
 }
 
+// e4m3 byte -> value without a table lookup (the loops over a slot vectorize); NaN at 0x7f/0xff
+inline float e4m3_value(uint8_t b) {
+  constexpr int kMant = gen::kE4M3Mantissa, kBias = gen::kE4M3Bias;
+  const uint32_t e = (b >> kMant) & ((1u << (7 - kMant)) - 1), m = b & ((1u << kMant) - 1);
+  const float normal = float_of(((e + 127 - kBias) << 23) | (m << (23 - kMant)));
+  const float sub = static_cast<float>(m) * (1.0f / (1 << (kBias + kMant - 1)));
+  float v = e ? normal : sub;
+  v = (b & 0x7f) == 0x7f ? std::numeric_limits<float>::quiet_NaN() : v;
+  return float_of(bits_of(v) | (static_cast<uint32_t>(b & 0x80) << 24));
+}
+
 inline float get_half(const uint8_t* p) { return half_value(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
 
 inline float nvfp4_value(int code) {
@@ -118,6 +130,7 @@ inline void nvfp4_decode(const uint8_t* in, int d, float global_scale, float* ou
 
 }  // namespace detail
 
+using detail::e4m3_value;
 using detail::get_half;
 using detail::nvfp4_decode;
 using detail::unpack4_parts;
@@ -138,7 +151,11 @@ inline float decode_key(const Format& f, const CacheView& c, int64_t th, float* 
       return 1.0f;
     case Mode::FP8_PER_TENSOR: {
       const uint8_t* b = c.data[0] + th * d;
-      for (int i = 0; i < d; ++i) out[i] = f.k_table[b[i]];
+      if (f.e5m2) {
+        for (int i = 0; i < d; ++i) out[i] = f.k_table[b[i]];
+      } else {
+        for (int i = 0; i < d; ++i) out[i] = e4m3_value(b[i]) * f.k_scale;
+      }
       return 1.0f;
     }
     case Mode::INT8_PER_TOKEN_HEAD: {
@@ -148,7 +165,7 @@ inline float decode_key(const Format& f, const CacheView& c, int64_t th, float* 
     }
     case Mode::FP8_PER_TOKEN_HEAD: {
       const uint8_t* b = c.data[0] + th * d;
-      for (int i = 0; i < d; ++i) out[i] = gen::kE4M3[b[i]];
+      for (int i = 0; i < d; ++i) out[i] = e4m3_value(b[i]);
       return reinterpret_cast<const float*>(c.data[2])[th];
     }
     case Mode::INT4_PER_TOKEN_HEAD: {
@@ -168,7 +185,7 @@ inline float decode_key(const Format& f, const CacheView& c, int64_t th, float* 
       const auto& lay = *f.layout;
       const uint8_t* slot = c.data[0] + th * lay.slot_size_aligned;
       if (f.preset->key_bits == 8) {
-        for (int i = 0; i < d; ++i) out[i] = gen::kE4M3[slot[i]];
+        for (int i = 0; i < d; ++i) out[i] = e4m3_value(slot[i]);
         return 1.0f;
       }
       if (f.key_parts())
@@ -200,7 +217,11 @@ inline void decode_value(const Format& f, const CacheView& c, int64_t th, float*
       return;
     case Mode::FP8_PER_TENSOR: {
       const uint8_t* b = c.data[1] + th * d;
-      for (int i = 0; i < d; ++i) out[i] = f.v_table[b[i]];
+      if (f.e5m2) {
+        for (int i = 0; i < d; ++i) out[i] = f.v_table[b[i]];
+      } else {
+        for (int i = 0; i < d; ++i) out[i] = e4m3_value(b[i]) * f.v_scale;
+      }
       return;
     }
     case Mode::INT8_PER_TOKEN_HEAD: {
@@ -212,7 +233,7 @@ inline void decode_value(const Format& f, const CacheView& c, int64_t th, float*
     case Mode::FP8_PER_TOKEN_HEAD: {
       const uint8_t* b = c.data[1] + th * d;
       const float s = reinterpret_cast<const float*>(c.data[3])[th];
-      for (int i = 0; i < d; ++i) out[i] = gen::kE4M3[b[i]] * s;
+      for (int i = 0; i < d; ++i) out[i] = e4m3_value(b[i]) * s;
       return;
     }
     case Mode::INT4_PER_TOKEN_HEAD: {
