@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "formats.h"
@@ -47,14 +49,24 @@ namespace avx512 { void run_item(const AttentionStep&, const Item&, float*); }
 namespace avx2 { void run_item(const AttentionStep&, const Item&, float*); }
 namespace base { void run_item(const AttentionStep&, const Item&, float*); }
 
-// The widest kernel this CPU runs (checked at run time: the library may meet any x86-64).
-inline RunItem best_kernel() {
+struct Kernel {
+  const char* name;
+  RunItem run;
+};
+
+// The widest kernel this CPU runs (checked at run time: the library may meet any x86-64), no
+// wider than TQEXPORT_NATIVE_ISA (avx2 or base; tests run the narrower kernels that way).
+inline Kernel pick_kernel() {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return avx512::run_item;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2::run_item;
-  return base::run_item;
+  const char* env = std::getenv("TQEXPORT_NATIVE_ISA");
+  const std::string cap = env ? env : "";
+  if (cap != "avx2" && cap != "base" && __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    return {"avx512", avx512::run_item};
+  if (cap != "base" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return {"avx2", avx2::run_item};
+  return {"base", base::run_item};
 }
 
 namespace attn {

@@ -45,14 +45,111 @@ inline float exp_neg(float x) {
   return x <= -87.0f ? 0.0f : p;
 }
 
-inline float dot(const float* a, const float* b, int d) {
-  float s = 0.0f;
-  for (int i = 0; i < d; ++i) s += a[i] * b[i];
+#if defined(__AVX512F__)
+// lane j = the sum of v[j]'s lanes (a transposing tree: about 3 shuffles and adds per vector)
+inline __m512 sum_lanes(const __m512* v) {
+  __m512 s1[8], s2[4];
+  for (int k = 0; k < 8; ++k)
+    s1[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                          _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {
+    const __m512d a = _mm512_castps_pd(s1[2 * k]), b = _mm512_castps_pd(s1[2 * k + 1]);
+    s2[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                          _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 s3a = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], 0x88),
+                                   _mm512_shuffle_f32x4(s2[0], s2[1], 0xDD));
+  const __m512 s3b = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], 0x88),
+                                   _mm512_shuffle_f32x4(s2[2], s2[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s3a, s3b, 0x88), _mm512_shuffle_f32x4(s3a, s3b, 0xDD));
+}
+
+inline __m512 dot_lanes(const float* x, const float* y, int d) {
+  __m512 s = _mm512_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= d; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i), s);
+  if (i < d) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (d - i)) - 1);
+    s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i), s);
+  }
   return s;
 }
 
-inline void axpy(float* __restrict y, float a, const float* __restrict x, int d) {
-  for (int i = 0; i < d; ++i) y[i] += a * x[i];
+// out[j] = a_j . b for j < n, a_j = a + j * d (b null: a_j . a_j), 16 keys per reduction
+inline void dots(const float* a, const float* b, int n, int d, float* out) {
+  for (int j = 0; j < n; j += 16) {
+    const int m = std::min(16, n - j);
+    __m512 v[16];
+    for (int k = 0; k < 16; ++k) {
+      const float* x = a + size_t(j + k) * d;
+      v[k] = k < m ? dot_lanes(x, b ? b : x, d) : _mm512_setzero_ps();
+    }
+    _mm512_mask_storeu_ps(out + j, static_cast<__mmask16>((1u << m) - 1), sum_lanes(v));
+  }
+}
+#elif defined(__AVX2__)
+inline __m256 sum_lanes(const __m256* v) {
+  __m256 s1[4], s2[2];
+  for (int k = 0; k < 4; ++k)
+    s1[k] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                          _mm256_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 2; ++k) {
+    const __m256d a = _mm256_castps_pd(s1[2 * k]), b = _mm256_castps_pd(s1[2 * k + 1]);
+    s2[k] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
+                          _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(s2[0], s2[1], 0x20),
+                       _mm256_permute2f128_ps(s2[0], s2[1], 0x31));
+}
+
+inline void dots(const float* a, const float* b, int n, int d, float* out) {
+  for (int j = 0; j < n; j += 8) {
+    const int m = std::min(8, n - j);
+    __m256 v[8];
+    for (int k = 0; k < 8; ++k) {
+      v[k] = _mm256_setzero_ps();
+      if (k >= m) continue;
+      const float* x = a + size_t(j + k) * d;
+      const float* y = b ? b : x;
+      for (int i = 0; i < d; i += 8)  // d: a multiple of 8
+        v[k] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), v[k]);
+    }
+    float r[8];
+    _mm256_storeu_ps(r, sum_lanes(v));
+    std::copy_n(r, m, out + j);
+  }
+}
+#else
+inline void dots(const float* a, const float* b, int n, int d, float* out) {
+  for (int j = 0; j < n; ++j) {
+    const float* x = a + size_t(j) * d;
+    const float* y = b ? b : x;
+    float s = 0.0f;
+    for (int i = 0; i < d; ++i) s += x[i] * y[i];
+    out[j] = s;
+  }
+}
+#endif
+
+// acc[0, W) = acc * corr + sum_j p[j] * v_j (v_j = v + j * stride): the sums stay in registers
+template <int W>
+inline void accumulate(float* __restrict acc, float corr, const float* __restrict p,
+                       const float* __restrict v, int n, int stride) {
+  float a[W];
+  for (int l = 0; l < W; ++l) a[l] = acc[l] * corr;
+  for (int j = 0; j < n; ++j) {
+    const float pj = p[j];
+    const float* x = v + size_t(j) * stride;
+    for (int l = 0; l < W; ++l) a[l] += pj * x[l];
+  }
+  for (int l = 0; l < W; ++l) acc[l] = a[l];
+}
+
+inline void accumulate_row(float* acc, float corr, const float* p, const float* v, int n, int d) {
+  int c = 0;
+  for (; c + 64 <= d; c += 64) accumulate<64>(acc + c, corr, p, v + c, n, d);
+  for (; c + 16 <= d; c += 16) accumulate<16>(acc + c, corr, p, v + c, n, d);
+  for (; c < d; c += 8) accumulate<8>(acc + c, corr, p, v + c, n, d);  // d: a multiple of 8
 }
 
 // Per-row softmax state of one item: running max, sum, and the weighted value sums: of the
@@ -67,14 +164,26 @@ struct Rows {
 };
 
 struct Scratch {
-  std::vector<float> keys, value, scores;
-  std::vector<uint8_t> seen;
+  std::vector<float> keys, values, scores, corr;
+  std::vector<uint8_t> seen, live;
   Scratch(int rows, int d)
-      : keys(size_t(kKeyTile) * d), value(d), scores(size_t(rows) * kKeyTile),
-        seen(size_t(rows) * kKeyTile) {}
+      : keys(size_t(kKeyTile) * d), values(size_t(kKeyTile) * d),
+        scores(size_t(rows) * kKeyTile), corr(rows), seen(size_t(rows) * kKeyTile), live(rows) {}
 };
 
-// One segment's keys [lo, hi] for the rows of an item, format M.
+// Asks for the cache lines of a (token, head) ahead of its use (blocks lie anywhere in memory:
+// the hardware prefetcher stops at each block's end).
+inline void prefetch_slot(const CacheView& c, int64_t th) {
+  for (int i = 0; i < 6 && c.data[i]; ++i) {
+    const int64_t bytes = int64_t(c.width[i]) * c.elem[i];
+    const uint8_t* a = c.data[i] + th * bytes;
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(a + o);
+    __builtin_prefetch(a + bytes - 1);
+  }
+}
+
+// One segment's keys [lo, hi] for the rows of an item, format M: per tile of keys, decode the
+// keys, score every row against them, decode the values the rows use, accumulate them per row.
 template <Mode M>
 void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, int64_t hi,
                  const int64_t* pos, Rows& rows, Scratch& sc) {
@@ -83,21 +192,32 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
   const int d = s.head_size, groups = s.num_heads / s.kv_heads;
   const bool main = kind == Kind::Main;
   float* ktile = sc.keys.data();
+  float* vtile = sc.values.data();
   float kmul[kKeyTile];
   int64_t th[kKeyTile];
   bool real[kKeyTile];
   const int32_t* table = src.table + it.seq * src.width;
   const int64_t seq_len = s.seq_lens[it.seq];
+  // flat (token, head) index of key p, or -1 where the sequence holds no such key
+  auto slot = [&](int64_t p) -> int64_t {
+    const int64_t col = p / s.block_size;
+    const int32_t block = col < src.width ? table[col] : 0;
+    if (block == 0 || p >= seq_len) return -1;
+    return ((int64_t(block) * s.block_size + p % s.block_size) * s.kv_heads) + it.head;
+  };
   for (int64_t p0 = lo; p0 <= hi; p0 += kKeyTile) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeyTile, hi - p0 + 1));
+    for (int64_t p = p0 + kKeyTile; p <= std::min(hi, p0 + 2 * kKeyTile - 1); ++p) {
+      const int64_t t = slot(p);
+      if (t >= 0) prefetch_slot(src.view, t);
+    }
     bool any_real = false;
     for (int j = 0; j < nk; ++j) {
-      const int64_t p = p0 + j, col = p / s.block_size;
-      const int32_t block = col < src.width ? table[col] : 0;
-      real[j] = block != 0 && p < seq_len;
+      th[j] = slot(p0 + j);
+      real[j] = th[j] >= 0;
+      kmul[j] = 0.0f;
       if (!real[j]) continue;
       any_real = true;
-      th[j] = ((int64_t(block) * s.block_size + p % s.block_size) * s.kv_heads) + it.head;
       kmul[j] = decode_key<M>(fmt, src.view, th[j], ktile + size_t(j) * d) * s.scale;
     }
     if (!any_real) continue;
@@ -118,27 +238,21 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
         else
           ok = ok && p < s.sink_tokens;
         sn[j] = ok;
-        pr[j] = kNegInf;
         any = any || ok;
       }
+      sc.live[r] = any;
       if (!any) continue;
+      dots(ktile, q, nk, d, pr);  // keys a row does not see: any value, dropped below
       float mt = kNegInf;
       for (int j = 0; j < nk; ++j) {
-        if (!sn[j]) continue;
-        float v = dot(q, ktile + size_t(j) * d, d) * kmul[j];
+        float v = pr[j] * kmul[j];
         if (s.softcap != 0.0f) v = std::tanh(v / s.softcap) * s.softcap;
-        pr[j] = v;
-        mt = std::max(mt, v);
-        used[j] = true;
+        pr[j] = sn[j] ? v : kNegInf;
+        mt = std::max(mt, pr[j]);
+        used[j] = used[j] || sn[j];
       }
       const float m_new = std::max(rows.m[r], mt);
       const float corr = rows.m[r] == kNegInf ? 0.0f : exp_neg(rows.m[r] - m_new);
-      if (corr != 1.0f) {
-        float* acc = &rows.acc[size_t(r) * d];
-        float* accm = &rows.accm[size_t(r) * d];
-        for (int i = 0; i < d; ++i) acc[i] *= corr;
-        for (int i = 0; i < d; ++i) accm[i] *= corr;
-      }
       float sum = 0.0f;
       for (int j = 0; j < nk; ++j) {
         const float e = exp_neg(pr[j] - m_new);
@@ -147,16 +261,22 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
       }
       rows.l[r] = rows.l[r] * corr + sum;
       rows.m[r] = m_new;
-    }
-    float* value = sc.value.data();
-    for (int j = 0; j < nk; ++j) {
-      if (!used[j]) continue;
-      decode_value<M>(fmt, src.view, th[j], value);
-      for (int r = 0; r < rows.n; ++r) {
-        if (!sc.seen[size_t(r) * kKeyTile + j]) continue;
-        float* acc = main ? &rows.accm[size_t(r) * d] : &rows.acc[size_t(r) * d];
-        axpy(acc, sc.scores[size_t(r) * kKeyTile + j], value, d);
+      sc.corr[r] = corr;  // applied to this segment's sums as they accumulate; the other's now:
+      if (corr != 1.0f && s.recent.table) {
+        float* other = main ? &rows.acc[size_t(r) * d] : &rows.accm[size_t(r) * d];
+        for (int i = 0; i < d; ++i) other[i] *= corr;
       }
+    }
+    for (int j = 0; j < nk; ++j) {  // keys no row sees weigh 0: their values must be finite
+      if (used[j])
+        decode_value<M>(fmt, src.view, th[j], vtile + size_t(j) * d);
+      else
+        std::fill_n(vtile + size_t(j) * d, d, 0.0f);
+    }
+    for (int r = 0; r < rows.n; ++r) {
+      if (!sc.live[r]) continue;
+      float* acc = main ? &rows.accm[size_t(r) * d] : &rows.acc[size_t(r) * d];
+      accumulate_row(acc, sc.corr[r], &sc.scores[size_t(r) * kKeyTile], vtile, nk, d);
     }
   }
 }

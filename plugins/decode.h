@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -72,6 +73,17 @@ inline void unpack4_parts(const uint8_t* in, int n, const float* table, float* o
   }
 }
 
+// e4m3 byte -> value without a table lookup (the loops over a slot vectorize); NaN at 0x7f/0xff
+inline float e4m3_value(uint8_t b) {
+  constexpr int kMant = gen::kE4M3Mantissa, kBias = gen::kE4M3Bias;
+  const uint32_t e = (b >> kMant) & ((1u << (7 - kMant)) - 1), m = b & ((1u << kMant) - 1);
+  const float normal = float_of(((e + 127 - kBias) << 23) | (m << (23 - kMant)));
+  const float sub = static_cast<float>(m) * (1.0f / (1 << (kBias + kMant - 1)));
+  float v = e ? normal : sub;
+  v = (b & 0x7f) == 0x7f ? std::numeric_limits<float>::quiet_NaN() : v;
+  return float_of(bits_of(v) | (static_cast<uint32_t>(b & 0x80) << 24));
+}
+
 inline float get_half(const uint8_t* p) { return half_value(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
 
 inline float nvfp4_value(int code) {
@@ -79,19 +91,46 @@ inline float nvfp4_value(int code) {
   return code >= 8 ? -m : m;
 }
 
+// nvfp4 codes (1 sign bit, e2m1) -> values, both signs in one table (built once)
+inline const float* nvfp4_table() {
+  static const struct Table {
+    float v[16];
+    Table() {
+      for (int c = 0; c < 16; ++c) v[c] = nvfp4_value(c);
+    }
+  } table;
+  return table.v;
+}
+
 inline void nvfp4_decode(const uint8_t* in, int d, float global_scale, float* out) {
+  const float* table = nvfp4_table();
+  static_assert(gen::kNvfp4Block == 16, "one vector of codes per block");
   for (int b = 0; b < d / gen::kNvfp4Block; ++b) {
     const float s = gen::kE4M3[in[d / 2 + b]] * global_scale;
+    const uint8_t* codes = in + b * gen::kNvfp4Block / 2;
+    float* o = out + b * gen::kNvfp4Block;
+#if defined(__AVX512F__)
+    // lane 2i: the low nibble of byte i, lane 2i + 1: its high nibble
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+    const __m512i pairs = _mm512_permutexvar_epi32(
+        _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), bytes);
+    const __m512i idx = _mm512_and_si512(
+        _mm512_srlv_epi32(pairs, _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0)),
+        _mm512_set1_epi32(15));
+    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_permutexvar_ps(idx, _mm512_loadu_ps(table)),
+                                      _mm512_set1_ps(s)));
+#else
     for (int i = 0; i < gen::kNvfp4Block / 2; ++i) {
-      const uint8_t byte = in[b * gen::kNvfp4Block / 2 + i];
-      out[b * gen::kNvfp4Block + 2 * i] = nvfp4_value(byte & 15) * s;
-      out[b * gen::kNvfp4Block + 2 * i + 1] = nvfp4_value(byte >> 4) * s;
+      o[2 * i] = table[codes[i] & 15] * s;
+      o[2 * i + 1] = table[codes[i] >> 4] * s;
     }
+#endif
   }
 }
 
 }  // namespace detail
 
+using detail::e4m3_value;
 using detail::get_half;
 using detail::nvfp4_decode;
 using detail::unpack4_parts;
@@ -112,7 +151,11 @@ inline float decode_key(const Format& f, const CacheView& c, int64_t th, float* 
       return 1.0f;
     case Mode::FP8_PER_TENSOR: {
       const uint8_t* b = c.data[0] + th * d;
-      for (int i = 0; i < d; ++i) out[i] = f.k_table[b[i]];
+      if (f.e5m2) {
+        for (int i = 0; i < d; ++i) out[i] = f.k_table[b[i]];
+      } else {
+        for (int i = 0; i < d; ++i) out[i] = e4m3_value(b[i]) * f.k_scale;
+      }
       return 1.0f;
     }
     case Mode::INT8_PER_TOKEN_HEAD: {
@@ -122,7 +165,7 @@ inline float decode_key(const Format& f, const CacheView& c, int64_t th, float* 
     }
     case Mode::FP8_PER_TOKEN_HEAD: {
       const uint8_t* b = c.data[0] + th * d;
-      for (int i = 0; i < d; ++i) out[i] = gen::kE4M3[b[i]];
+      for (int i = 0; i < d; ++i) out[i] = e4m3_value(b[i]);
       return reinterpret_cast<const float*>(c.data[2])[th];
     }
     case Mode::INT4_PER_TOKEN_HEAD: {
@@ -142,7 +185,7 @@ inline float decode_key(const Format& f, const CacheView& c, int64_t th, float* 
       const auto& lay = *f.layout;
       const uint8_t* slot = c.data[0] + th * lay.slot_size_aligned;
       if (f.preset->key_bits == 8) {
-        for (int i = 0; i < d; ++i) out[i] = gen::kE4M3[slot[i]];
+        for (int i = 0; i < d; ++i) out[i] = e4m3_value(slot[i]);
         return 1.0f;
       }
       if (f.key_parts())
@@ -174,7 +217,11 @@ inline void decode_value(const Format& f, const CacheView& c, int64_t th, float*
       return;
     case Mode::FP8_PER_TENSOR: {
       const uint8_t* b = c.data[1] + th * d;
-      for (int i = 0; i < d; ++i) out[i] = f.v_table[b[i]];
+      if (f.e5m2) {
+        for (int i = 0; i < d; ++i) out[i] = f.v_table[b[i]];
+      } else {
+        for (int i = 0; i < d; ++i) out[i] = e4m3_value(b[i]) * f.v_scale;
+      }
       return;
     }
     case Mode::INT8_PER_TOKEN_HEAD: {
@@ -186,7 +233,7 @@ inline void decode_value(const Format& f, const CacheView& c, int64_t th, float*
     case Mode::FP8_PER_TOKEN_HEAD: {
       const uint8_t* b = c.data[1] + th * d;
       const float s = reinterpret_cast<const float*>(c.data[3])[th];
-      for (int i = 0; i < d; ++i) out[i] = gen::kE4M3[b[i]] * s;
+      for (int i = 0; i < d; ++i) out[i] = e4m3_value(b[i]) * s;
       return;
     }
     case Mode::INT4_PER_TOKEN_HEAD: {

@@ -243,6 +243,12 @@ void parallel(OrtKernelContext* ctx, size_t total, const std::function<void(size
   check(g_api->KernelContext_ParallelFor(ctx, trampoline, total, 0, &pc));
 }
 
+// The attention kernel of this process, chosen once.
+const Kernel& attention_kernel() {
+  static const Kernel kernel = pick_kernel();
+  return kernel;
+}
+
 // -- CacheWrite -------------------------------------------------------------------------------
 struct CacheWriteKernel {
   CacheAttrs a;
@@ -427,8 +433,7 @@ struct PagedAttentionKernel {
     s.positions = position;
     s.num_seqs = seqs;
     s.num_tokens = tokens;
-    static const RunItem kernel = best_kernel();
-    paged_attention(s, kernel, [&](size_t total, const std::function<void(size_t)>& fn) {
+    paged_attention(s, attention_kernel().run, [&](size_t total, const std::function<void(size_t)>& fn) {
       parallel(ctx, total, fn);
     });
     if (a.model != Elem::F32)
@@ -526,6 +531,11 @@ extern "C" {
 __attribute__((visibility("default"))) const char* tqx_build_info() {
   return "{\"ort_api_version\": " TQX_STR(ORT_API_VERSION) ", \"source_hash\": \"" TQX_SOURCE_HASH
          "\"}";
+}
+
+// The instruction set of the attention kernel this process runs (avx512, avx2 or base).
+__attribute__((visibility("default"))) const char* tqx_attention_kernel() {
+  return tqx::attention_kernel().name;
 }
 
 __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL

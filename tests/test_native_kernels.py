@@ -3,6 +3,7 @@ reference ops: CacheWrite bytes, PagedAttention outputs over every cache format 
 feature, bad input answered with an error status naming it, the same tests under
 AddressSanitizer + UBSan, and ORT running the kernels rather than the function bodies."""
 
+import ctypes
 import json
 import os
 import re
@@ -31,6 +32,8 @@ from tqexport.verify.parity import near_threshold, tolerance
 #: library and run a subset of their matrices (every format once, every bad input)
 SANITIZE_ENV = "TQEXPORT_NATIVE_SANITIZE"
 SANITIZED = os.environ.get(SANITIZE_ENV) == "1"
+#: caps the attention kernel's instruction set (avx2, base): the narrower kernels' test runs
+ISA_ENV = "TQEXPORT_NATIVE_ISA"
 
 #: every format the matrices run, with the native twins of vLLM's TurboQuant layouts
 DTYPES = [*MATRIX_DTYPES, "tqx_k4v4", "tqx_k3v3"]
@@ -661,7 +664,8 @@ def test_sanitizer_finds_nothing_in_the_native_kernel_tests(library):
     )
     # -s: a sanitizer's report goes to stderr, which pytest would capture and lose in the abort
     cmd = [sys.executable, "-u", "-m", "pytest", __file__, "-q", "-s", "-p", "no:cacheprovider",
-           "-p", "no:xdist", "-k", "not sanitizer and not function_body"]  # fmt: skip
+           "-p", "no:xdist", "-k",
+           "not sanitizer and not function_body and not narrower"]  # fmt: skip
     res = subprocess.run(cmd, cwd=native_build.ROOT, env=env, capture_output=True, text=True,
                          timeout=540)  # fmt: skip
     out = res.stdout + res.stderr
@@ -672,6 +676,48 @@ def test_sanitizer_finds_nothing_in_the_native_kernel_tests(library):
     assert res.returncode == 0, tail
     summary = re.search(r"(\d+) passed", res.stdout)
     assert summary and int(summary.group(1)) > 50 and "skipped" not in res.stdout, tail
+
+
+def _attention_kernel(library: Path) -> str:
+    fn = ctypes.CDLL(str(library)).tqx_attention_kernel
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
+
+
+def test_the_attention_kernel_runs_as_the_cpu_allows(library):
+    """The kernel is the widest this CPU runs, no wider than TQEXPORT_NATIVE_ISA asks."""
+    want = os.environ.get(ISA_ENV) or ("avx512" if _cpu_has("avx512") else "avx2")
+    assert _attention_kernel(library) == (want if _cpu_has(want) else "base")
+
+
+def _cpu_has(isa: str) -> bool:
+    flags = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
+    have = set(flags.group(1).split()) if flags else set()
+    need = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
+            "avx2": {"avx2", "fma"}, "base": set()}  # fmt: skip
+    return need[isa] <= have
+
+
+@pytest.mark.parametrize("isa", ["avx2", "base"])
+def test_the_narrower_attention_kernels_match_the_reference(library, isa):
+    """The attention tests (every format with every feature at once, float32 and float16; GQA
+    at head sizes past 64) with the kernel capped at ``isa``: the library picks its kernel
+    once per process, so in a subprocess."""
+    if isa != "base" and not _cpu_has(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "COV_"))}
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(native_build.ROOT), env.get("PYTHONPATH")])),
+        **{ISA_ENV: isa},
+    )
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-p",
+           "no:xdist", "-k", "runs_as_the_cpu or (matches_the_reference and "
+           "(everything or gqa-128 or gqa-256))"]  # fmt: skip
+    res = subprocess.run(cmd, cwd=native_build.ROOT, env=env, capture_output=True, text=True,
+                         timeout=540)  # fmt: skip
+    assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
+    summary = re.search(r"(\d+) passed", res.stdout)
+    assert summary and int(summary.group(1)) > 30 and "skipped" not in res.stdout, res.stdout
 
 
 def test_without_headers_the_native_tests_skip_saying_why(monkeypatch):
