@@ -14,6 +14,9 @@ from tqexport.kvquant.packing import unpack_codes
 NAMES = ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4",
          "fp8", "fp8_e5m2", "auto", "tqx_k4v4_g32", "tqx_k4v3_g32",
          "tqx_k4v3_mse", "tqx_k4v2_mse"]  # fmt: skip
+TURBOQUANT = [n for n in NAMES if n.startswith(("turboquant", "tqx"))]
+#: every format at head sizes 64 and 128, TurboQuant also at Gemma 3's 256
+CASES = [(n, d) for n in NAMES for d in (64, 128)] + [(n, 256) for n in TURBOQUANT]
 
 # The interpreter must be chosen before triton is imported, so the comparison runs in a child.
 CHILD = r"""
@@ -45,8 +48,7 @@ torch.save({"ref": ref, "mine": mine, "k": k, "v": v}, sys.argv[3])
 """
 
 
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name,d", CASES)
 def test_interpreted_kernel_writes_reference_bytes(tmp_path, name, d):
     out = tmp_path / "r.pt"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -87,7 +89,7 @@ def test_kernels_compile_to_sm90_ptx(name):
 
     from tqexport.ops.triton.cache_write import kernel_variants
 
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for fn, sig, consts in kernel_variants(make_codec(name, d, model_dtype="float32"), heads=8):
             compiled = triton.compile(
                 ASTSource(fn=fn, signature=sig, constexprs=consts),
