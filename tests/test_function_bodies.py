@@ -7,15 +7,14 @@ from helpers import MATRIX_DTYPES, OPSET, layer_for, single_node_model
 
 from tqexport.export.functions import function_for
 from tqexport.kvquant.codecs import torch_dtype
-from tqexport.kvquant.modes import KV_CACHE_DTYPES, KVQuantMode
 from tqexport.ops import reference
 from tqexport.ops.attributes import CACHE_WRITE, PAGED_ATTENTION, node_attrs
 from tqexport.ops.library import codec_for
 
-
-#: every format at head size 64, TurboQuant's also at Gemma 3's 256
+#: every format at head size 64; at Gemma 3's 256 one TurboQuant format per codec path (fp8
+#: keys, uniform values, grouped values, MSE values)
 WRITE_CASES = [(dt, 64) for dt in MATRIX_DTYPES] + [
-    (dt, 256) for dt in MATRIX_DTYPES if KV_CACHE_DTYPES[dt].mode is KVQuantMode.TURBOQUANT
+    (dt, 256) for dt in ("turboquant_k8v4", "turboquant_4bit_nc", "tqx_k4v3_g32", "tqx_k4v3_mse")
 ]
 
 
