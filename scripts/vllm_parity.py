@@ -5,9 +5,10 @@ TurboQuant store kernel, centroid and config modules, loads them with vLLM's pac
 stubbed, and runs the store kernel in the Triton interpreter on fixed inputs (random heads and
 edge cases: zeros, tiny and huge values, zero norms, rounding thresholds, NaN and +-inf). The
 same inputs go through tqexport's reference cache write (``tqexport.ops.reference.write_cache``)
-into a copy of the same pre-filled paged buffer, for every vLLM preset at D = 64 and 128; every
-byte of every block but the null block 0 is compared (vLLM never writes block 0; tqexport sends
-padding tokens there). Exit status 1 on any difference, 2 when vLLM cannot be fetched or loaded.
+into a copy of the same pre-filled paged buffer, for every vLLM preset at D = 64, 128 and 256
+(Gemma 3's); every byte of every block but the null block 0 is compared (vLLM never writes
+block 0; tqexport sends padding tokens there). Exit status 1 on any difference, 2 when vLLM
+cannot be fetched or loaded.
 
 One piece of the interpreter is replaced: its fp32 -> fp8e4nv cast (k8v4 keys) does not round
 like the GPU's, so it is given the GPU's ``cvt.rn.satfinite`` semantics (``--interpreter-fp8``
@@ -36,7 +37,7 @@ import torch  # noqa: E402
 
 VLLM_VERSION = "0.33.0"
 PRESETS = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
-HEAD_SIZES = (64, 128)
+HEAD_SIZES = (64, 128, 256)
 # Files read from the wheel (vLLM 0.33.0 paths); the backend is read only for its Hadamard.
 STORE = "vllm/v1/attention/ops/triton_turboquant_store.py"
 CENTROIDS = "vllm/model_executor/layers/quantization/turboquant/centroids.py"

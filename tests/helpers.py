@@ -2,6 +2,7 @@
 single-node ONNX models of one tqexport op, and paged prefills compared by the product's
 parity rule."""
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -278,3 +279,29 @@ def with_byte_tokenizer(artifact_dir, out_dir):
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": BYTE_CHAT_TEMPLATE}
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     return out
+
+
+@contextmanager
+def serving(app):
+    """``app`` served by uvicorn in a thread on 127.0.0.1 (a free port): its base URL."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from tqexport.serve.runner import listen
+
+    sock = listen("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()

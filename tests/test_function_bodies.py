@@ -11,13 +11,19 @@ from tqexport.ops import reference
 from tqexport.ops.attributes import CACHE_WRITE, PAGED_ATTENTION, node_attrs
 from tqexport.ops.library import codec_for
 
+#: every format at head size 64; at Gemma 3's 256 one TurboQuant format per codec path (fp8
+#: keys, uniform values, grouped values, MSE values)
+WRITE_CASES = [(dt, 64) for dt in MATRIX_DTYPES] + [
+    (dt, 256) for dt in ("turboquant_k8v4", "turboquant_4bit_nc", "tqx_k4v3_g32", "tqx_k4v3_mse")
+]
 
-@pytest.mark.parametrize("dtype", MATRIX_DTYPES)
-def test_cache_write_body_is_byte_exact(dtype):
-    layer = layer_for(dtype)
+
+@pytest.mark.parametrize("dtype,d", WRITE_CASES)
+def test_cache_write_body_is_byte_exact(dtype, d):
+    layer = layer_for(dtype, d=d)
     attrs = node_attrs(CACHE_WRITE, layer, num_heads=4)
     c = layer.cache
-    codec = codec_for(c.kv_cache_dtype, 64, "float32", c.k_scale, c.v_scale)
+    codec = codec_for(c.kv_cache_dtype, d, "float32", c.k_scale, c.v_scale)
     g = torch.Generator().manual_seed(11)
     cache = [
         torch.randint(0, 255, s, generator=g).to(torch_dtype(t.dtype))
@@ -25,8 +31,8 @@ def test_cache_write_body_is_byte_exact(dtype):
         else torch.randn(s, generator=g).to(torch_dtype(t.dtype))
         for t, s in zip(c.tensors, c.tensor_shapes(6).values())
     ]
-    k = torch.randn(7, 2, 64, generator=g) * 3
-    v = torch.randn(7, 2, 64, generator=g)
+    k = torch.randn(7, 2, d, generator=g) * 3
+    v = torch.randn(7, 2, d, generator=g)
     slots = torch.tensor([4, 5, 6, 7, 8, -1, 21], dtype=torch.int64)
     ref = reference.write_cache(codec, cache, k, v, slots)
     sess = single_node_model(
@@ -42,29 +48,31 @@ def test_cache_write_body_is_byte_exact(dtype):
 
 
 @pytest.mark.parametrize(
-    "dtype,window,softcap",
-    [("auto", None, None), ("turboquant_3bit_nc", 3, None), ("fp8", None, 20.0),
-     ("int4_per_token_head", 5, None), ("turboquant_k8v4", None, None), ("nvfp4", None, None)],
+    "dtype,window,softcap,d",
+    [("auto", None, None, 64), ("turboquant_3bit_nc", 3, None, 64), ("fp8", None, 20.0, 64),
+     ("int4_per_token_head", 5, None, 64), ("turboquant_k8v4", None, None, 64),
+     ("nvfp4", None, None, 64), ("turboquant_4bit_nc", 5, None, 256),
+     ("tqx_k4v3_mse", None, None, 256)],
 )  # fmt: skip
-def test_paged_attention_body_matches_reference(dtype, window, softcap):
-    layer = layer_for(dtype, window)
+def test_paged_attention_body_matches_reference(dtype, window, softcap, d):
+    layer = layer_for(dtype, window, d=d)
     if softcap:
         from dataclasses import replace
 
         layer = replace(layer, softcap=softcap)
     attrs = node_attrs(PAGED_ATTENTION, layer, num_heads=4)
     c = layer.cache
-    codec = codec_for(c.kv_cache_dtype, 64, "float32", c.k_scale, c.v_scale)
+    codec = codec_for(c.kv_cache_dtype, d, "float32", c.k_scale, c.v_scale)
     g = torch.Generator().manual_seed(12)
     cache = [
         torch.zeros(s, dtype=torch_dtype(t.dtype))
         for t, s in zip(c.tensors, c.tensor_shapes(8).values())
     ]
     # two sequences: 9 and 4 cached tokens; block tables padded with the null block
-    k = torch.randn(13, 2, 64, generator=g)
+    k = torch.randn(13, 2, d, generator=g)
     slots = torch.tensor(list(range(4, 13)) + [20, 21, 22, 23])
-    cache = reference.write_cache(codec, cache, k, torch.randn(13, 2, 64, generator=g), slots)
-    q = torch.randn(5, 4, 64, generator=g)
+    cache = reference.write_cache(codec, cache, k, torch.randn(13, 2, d, generator=g), slots)
+    q = torch.randn(5, 4, d, generator=g)
     tables = torch.tensor([[1, 2, 3], [5, 0, 0]], dtype=torch.int32)
     seq_lens = torch.tensor([9, 4], dtype=torch.int32)
     qsl = torch.tensor([0, 3, 4], dtype=torch.int32)  # 3 queries of seq 0, 1 of seq 1, 1 padding

@@ -9,14 +9,12 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
 import schemathesis
-import uvicorn
-from helpers import assert_same_generation, teacher_forced, with_byte_tokenizer
+from helpers import assert_same_generation, serving, teacher_forced, with_byte_tokenizer
 from hypothesis import HealthCheck, given, settings
 from prometheus_client.parser import text_string_to_metric_families
 from schemathesis.specs.openapi.checks import positive_data_acceptance
@@ -26,7 +24,6 @@ from tqexport.runtime.engine import Engine, EngineConfig
 from tqexport.runtime.executor import Executor
 from tqexport.runtime.sequence import SamplingParams
 from tqexport.serve.app import create_app
-from tqexport.serve.runner import listen
 
 MODEL, KEY = "tiny", "test-key"
 BODY_LIMIT = 64 * 2**10
@@ -60,25 +57,6 @@ class Live:
 def texty(artifacts, tmp_path_factory):
     tiny = artifacts("tiny-llama", "turboquant_4bit_nc")
     return with_byte_tokenizer(tiny, tmp_path_factory.mktemp("serve") / "art")
-
-
-@contextmanager
-def serving(app):
-    """``app`` served by uvicorn in a thread on 127.0.0.1 (a free port): its base URL."""
-    sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 @pytest.fixture(scope="module")

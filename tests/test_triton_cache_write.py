@@ -14,6 +14,11 @@ from tqexport.kvquant.packing import unpack_codes
 NAMES = ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4",
          "fp8", "fp8_e5m2", "auto", "tqx_k4v4_g32", "tqx_k4v3_g32",
          "tqx_k4v3_mse", "tqx_k4v2_mse"]  # fmt: skip
+#: every format at head sizes 64 and 128; at Gemma 3's 256 one TurboQuant format per codec path
+#: (fp8 keys, uniform values, grouped values, MSE values)
+CASES = [(n, d) for n in NAMES for d in (64, 128)] + [
+    (n, 256) for n in ("turboquant_k8v4", "turboquant_4bit_nc", "tqx_k4v3_g32", "tqx_k4v3_mse")
+]
 
 # The interpreter must be chosen before triton is imported, so the comparison runs in a child.
 CHILD = r"""
@@ -45,8 +50,7 @@ torch.save({"ref": ref, "mine": mine, "k": k, "v": v}, sys.argv[3])
 """
 
 
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name,d", CASES)
 def test_interpreted_kernel_writes_reference_bytes(tmp_path, name, d):
     out = tmp_path / "r.pt"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -87,7 +91,7 @@ def test_kernels_compile_to_sm90_ptx(name):
 
     from tqexport.ops.triton.cache_write import kernel_variants
 
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for fn, sig, consts in kernel_variants(make_codec(name, d, model_dtype="float32"), heads=8):
             compiled = triton.compile(
                 ASTSource(fn=fn, signature=sig, constexprs=consts),

@@ -63,7 +63,8 @@ def test_interpreted_attention_matches_reference(tmp_path, name):
 @pytest.mark.parametrize(
     "name,d,heads,kvh,window,softcap,splits",
     [("turboquant_4bit_nc", 64, 4, 2, 3, 20.0, 4), ("auto", 128, 6, 2, 0, 0, 1),
-     ("turboquant_3bit_nc", 128, 3, 3, 5, 0, 8), ("fp8", 64, 8, 1, 2, 30.0, 2)],
+     ("turboquant_3bit_nc", 128, 3, 3, 5, 0, 8), ("fp8", 64, 8, 1, 2, 30.0, 2),
+     ("turboquant_4bit_nc", 256, 4, 1, 5, 0, 2), ("tqx_k4v3_mse", 256, 4, 1, 0, 0, 1)],
 )  # fmt: skip
 def test_interpreted_attention_windows_softcap_gqa_splits(
     tmp_path, name, d, heads, kvh, window, softcap, splits
@@ -136,7 +137,7 @@ def test_attention_kernels_compile_to_sm90_ptx(name):
 
     from tqexport.ops.triton.paged_attention import kernel_variants
 
-    for d, heads, kvh in ((64, 9, 3), (128, 32, 8)):
+    for d, heads, kvh in ((64, 9, 3), (128, 32, 8), (256, 4, 1)):  # 256: Gemma 3's heads
         codec = make_codec(name, d, model_dtype="float32")
         recent = name.startswith("turbo") and d == 64  # the recent-window variant, once
         for fn, sig, consts in kernel_variants(codec, heads, kvh, block_size=16, recent=recent):

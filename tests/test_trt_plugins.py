@@ -30,6 +30,8 @@ NAMES = ["auto", "fp8", "fp8_e5m2", "turboquant_4bit_nc", "turboquant_k3v4_nc",
          "turboquant_3bit_nc", "turboquant_k8v4", "tqx_k4v4_g32", "tqx_k4v3_g32",
          "tqx_k4v3_mse", "tqx_k4v2_mse"]  # fmt: skip
 ROOT = Path(__file__).resolve().parents[1]
+#: the TurboQuant formats, also run at Gemma 3's head size 256 (one kv head, four query heads)
+TURBOQUANT = [n for n in NAMES if n.startswith(("turboquant", "tqx"))]
 
 
 def attrs(name, d=64, kvh=2, heads=4, dtype="float32", **kw):
@@ -208,7 +210,8 @@ def test_every_variant_compiles_to_sm90_ptx_matching_the_launch(name):
     recent = [plans(name, d=128, recent_window=32, **kw)[1]]  # the recent-window attention
     if name in ("fp8", "turboquant_4bit_nc"):  # and with sink tokens, once per entry point
         recent.append(plans(name, d=128, recent_window=32, sink_tokens=4, **kw)[1])
-    for plan in [*plans(name, d=64, **kw), *plans(name, d=128, **kw), *recent]:
+    d256 = plans(name, d=256, **dict(kw, kvh=1, heads=4)) if name in TURBOQUANT else ()
+    for plan in [*plans(name, d=64, **kw), *plans(name, d=128, **kw), *d256, *recent]:
         kernel = compile_plan(plan)
         assert ".target sm_90" in kernel.ptx and kernel.name == plan.kernel.__name__
         assert kernel.block_x == 128 and kernel.global_scratch_size == 0
@@ -238,8 +241,9 @@ from tqexport.ops import reference
 from tqexport.ops.triton.cache_write import write_cache_
 from trt_plugins import contract, emulate
 results = {}
-for name in sys.argv[2:]:
-    d, kvh, heads = 64, 2, 6
+for case in sys.argv[2:]:  # NAME@HEAD_SIZE
+    name, d = case.split("@")
+    d, kvh, heads = int(d), 2, 6
     ks, vs = (0.5, 2.0) if name.startswith("fp8") else (1.0, 1.0)
     codec = make_codec(name, d, model_dtype="float32", k_scale=ks, v_scale=vs)
     a = dict(kv_cache_dtype=name, quant_mode="m", model_dtype="float32", num_kv_heads=kvh,
@@ -285,7 +289,7 @@ for name in sys.argv[2:]:
     no_sink = reference.paged_attention(codec, q, trt, *steps, **skw)
     (sgot,) = emulate.launch(contract.launch_plan(contract.plugin_for("PagedAttention", sa), sa),
                              [q, *trt, *steps, *recent, st])
-    results[name] = {"torch_entry": torch_entry, "trt": trt, "ref": ref, "got": got,
+    results[case] = {"torch_entry": torch_entry, "trt": trt, "ref": ref, "got": got,
                      "recent_ref": rref, "recent_got": rgot, "sink_ref": sref,
                      "sink_got": sgot, "no_sink": no_sink}
 torch.save(results, sys.argv[1])
@@ -295,11 +299,13 @@ torch.save(results, sys.argv[1])
 def test_trt_order_kernels_in_the_interpreter_match(tmp_path):
     out = tmp_path / "r.pt"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-c", CHILD, str(out), *NAMES], env=env,
+    cases = [f"{n}@64" for n in NAMES] + ["turboquant_4bit_nc@256", "tqx_k4v3_mse@256"]
+    r = subprocess.run([sys.executable, "-c", CHILD, str(out), *cases], env=env,
                        capture_output=True, text=True, timeout=900)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     res = torch.load(out)
-    for name in NAMES:
+    assert sorted(res) == sorted(cases)
+    for name in cases:
         x = res[name]
         # in-kernel tables (Hadamard signs, thresholds) give the very bytes of the table kernels
         assert all(torch.equal(a, b) for a, b in zip(x["trt"], x["torch_entry"])), name
@@ -308,11 +314,11 @@ def test_trt_order_kernels_in_the_interpreter_match(tmp_path):
         torch.testing.assert_close(x["recent_got"], x["recent_ref"], atol=1e-5, rtol=1e-3,
                                    msg=name)  # fmt: skip
         assert torch.equal(x["recent_got"][4:], torch.zeros_like(x["got"][4:]))
-        if name != "auto":  # the window read model-dtype keys, not the quantized ones
+        if not name.startswith("auto@"):  # the window read model-dtype keys, not quantized ones
             assert (x["recent_ref"][:4] - x["ref"][:4]).abs().max() > 1e-4, name
         torch.testing.assert_close(x["sink_got"], x["sink_ref"], atol=1e-5, rtol=1e-3,
                                    msg=name)  # fmt: skip
-        if name != "auto":  # the sink tokens, too
+        if not name.startswith("auto@"):  # the sink tokens, too
             assert (x["sink_ref"][:3] - x["no_sink"][:3]).abs().max() > 1e-4, name
 
 

@@ -119,7 +119,7 @@ GAUSSIAN_LEVELS = {
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_vllm_codebook_is_gaussian_lloyd_max(bits, d):
     c = tq.centroids(d, bits).double() * math.sqrt(d)
     assert torch.equal(c, -c.flip(0))  # symmetric and sorted
@@ -137,12 +137,16 @@ def test_thresholds_are_fp32_midpoints_of_fp32_centroids():
 
 
 # Unit-vector MSE targets, exact Beta marginal, REFERENCE.md section 2.
-BETA_MSE = {64: [0.3584, 0.1145, 0.0334, 0.0091], 128: [0.3609, 0.1160, 0.0340, 0.0093]}
+BETA_MSE = {
+    64: [0.3584, 0.1145, 0.0334, 0.0091],
+    128: [0.3609, 0.1160, 0.0340, 0.0093],
+    256: [0.3621, 0.1167, 0.0343, 0.0094],  # the same integral at Gemma 3's head size
+}
 LOWER_BOUND = [0.25, 0.0625, 0.0156, 0.0039]
 PAPER_UPPER = [0.36, 0.117, 0.03, 0.009]
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_key_quantizer_mse_on_random_unit_vectors(d):
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(10_000, d, generator=g)
@@ -157,7 +161,7 @@ def test_key_quantizer_mse_on_random_unit_vectors(d):
         assert LOWER_BOUND[bits - 1] < mse < 4.0**-bits * math.sqrt(3) * math.pi / 2
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_exact_beta_codebook_reproduces_reference_mse(d):
     g = torch.Generator().manual_seed(99)
     x = torch.randn(10_000, d, generator=g)
@@ -264,7 +268,7 @@ def test_golden_slot_bytes_mse_values(name, vbits, value_code):
     torch.testing.assert_close(decoded, v, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_mse_values_are_quantized_exactly_like_keys(d):
     """tqx_k4v3_mse values: the bytes and the decode of turboquant_3bit_nc keys for the same
     vectors (one codebook, one rotation, one norm correction)."""
@@ -312,7 +316,7 @@ def test_ties_go_up_and_negative_side():
 
 
 @pytest.mark.parametrize("name", PRESET_NAMES)
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_scores_equal_dot_with_reconstructed_keys(name, d):
     g = torch.Generator().manual_seed(7)
     codec = TurboQuantCodec(name, d)

@@ -55,9 +55,11 @@ def vllm_args(spec: ModelSpec) -> VllmArgs:
     if entry.is_turboquant and not entry.native:
         forced = turboquant_boundary(len(layers), TURBOQUANT_BOUNDARY_LAYERS, vllm=True)
         if forced - kept:
-            shown = ", ".join(map(str, sorted(forced - kept)))
+            hit = sorted(forced - kept)
+            shown = ", ".join(map(str, hit))
+            shown = f"layers {shown} are" if len(hit) > 1 else f"layer {shown} is"
             why.append(
-                f"layers {shown} are quantized, but vLLM always keeps {dtype}'s boundary "
+                f"{shown} quantized, but vLLM always keeps {dtype}'s boundary "
                 f"layers (the first and last {len(forced) // 2}) at auto"
             )
     if dtype != "auto" and kept:

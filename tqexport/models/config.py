@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -131,16 +132,42 @@ def _read_json(path: Path, name: str) -> dict:
     return d
 
 
+def _gguf_config_dict(path: Path) -> dict:
+    """A GGUF file's metadata as transformers maps it to a config, kept as JSON beside the
+    converted weights: transformers parses every metadata array (a 262k-token vocabulary takes
+    minutes), the config is a few hundred bytes."""
+    from transformers import PretrainedConfig
+
+    from tqexport.models.loader import gguf_cache
+
+    target = gguf_cache(path)
+    kept = target.with_name(f"{target.name}.config.json")
+    if kept.is_file():
+        try:
+            return json.loads(kept.read_text())
+        except (OSError, ValueError):
+            pass  # damaged or half-read: parse the GGUF again
+    d, _ = PretrainedConfig.get_config_dict(str(path.parent), gguf_file=path.name)
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = kept.with_name(f"{kept.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(d))
+        tmp.replace(kept)
+    except (OSError, TypeError, ValueError):
+        pass  # a read-only cache or a value JSON cannot hold: parse it again next time
+    return d
+
+
 def _gguf_config(path: Path, name: str):
     """A GGUF file's config: its metadata as transformers maps it, checked, then the config
     class built from it as ``AutoConfig`` does (so the metadata is parsed once, not twice)."""
-    from transformers import CONFIG_MAPPING, PretrainedConfig
+    from transformers import CONFIG_MAPPING
 
-    d, kwargs = PretrainedConfig.get_config_dict(str(path.parent), gguf_file=path.name)
+    d = _gguf_config_dict(path)
     check_config_dict(d, name)
     if d.get("model_type") not in CONFIG_MAPPING:
         raise TQExportError(f"{name}: GGUF architecture {d.get('model_type')!r} is unknown")
-    return CONFIG_MAPPING[d["model_type"]].from_dict(d, **kwargs)
+    return CONFIG_MAPPING[d["model_type"]].from_dict(d, gguf_file=path.name)
 
 
 def load_config(model: str):
@@ -151,7 +178,7 @@ def load_config(model: str):
     """
     if model in builtins.TINY_CONFIGS:
         return builtins.tiny_config(model), f"builtin:{model}"
-    path = builtins.smollm2_gguf() if model == "smollm2" else Path(model)
+    path = builtins.builtin_gguf(model) if model in builtins.GGUF_BUILTINS else Path(model)
     if not path.exists():
         names = ", ".join(builtins.BUILTIN_NAMES)
         raise TQExportError(

@@ -34,7 +34,8 @@ def cache_dir() -> Path:
     return Path(base)
 
 
-def _gguf_cache(path: Path) -> Path:
+def gguf_cache(path: Path) -> Path:
+    """Where GGUF file PATH's converted weights are kept (keyed by its path, size, mtime)."""
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
     return cache_dir() / "gguf" / f"{path.stem}-{key[:12]}"
@@ -45,7 +46,7 @@ def _load_gguf(path: Path, dtype: torch.dtype):
     from safetensors.torch import save_model as save_safetensors
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    target = _gguf_cache(path)
+    target = gguf_cache(path)
     if not (target / "config.json").is_file():
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -123,7 +124,7 @@ def load_model(name: str, dtype: str | None = None) -> LoadedModel:
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
         tok, gen = None, model.generation_config
     else:
-        path = builtins.smollm2_gguf() if name == "smollm2" else Path(name)
+        path = builtins.builtin_gguf(name) if name in builtins.GGUF_BUILTINS else Path(name)
         root = path if path.is_dir() or path.suffix == ".gguf" else path.parent
         try:
             if path.suffix == ".gguf":
