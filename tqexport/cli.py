@@ -31,6 +31,7 @@ from tqexport.options import (
     KernelsOption,
     KeyTransformOption,
     KvDtypeOption,
+    KvLayersOption,
     MemoryOptions,
     RecentWindowOption,
     SinkTokensOption,
@@ -118,6 +119,7 @@ def plan(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="HF dir, config.json, .gguf, or built-in name.")],
     kv_cache_dtype: KvDtypeOption = "auto",
+    kv_layers: KvLayersOption = None,
     skip_layers: SkipOption = None,
     boundary: BoundaryOption = True,
     block_size: BlockSizeOption = DEFAULT_BLOCK_SIZE,
@@ -140,6 +142,7 @@ def plan(
     ] = False,
 ):
     """Print the per-layer cache plan of MODEL from its config alone (no weights loaded)."""
+    from tqexport.kv_layers import covered, parse_kv_layers
     from tqexport.kvquant.transforms import key_transform_label, parse_key_transform
     from tqexport.models.config import describe_model
     from tqexport.resolve import resolve
@@ -156,10 +159,12 @@ def plan(
     res = resolve(
         desc, kv_cache_dtype, skip_layers or [], boundary=boundary, block_size=block_size,
         recent_window=recent_window, sink_tokens=sink_tokens, key_transform=kinds,
+        kv_layers=kv_layers,
     )  # fmt: skip
     for w in res.warnings:
         _warn(w)
     spec = res.spec
+    own = covered(parse_kv_layers(kv_layers), len(spec.layers)) if kv_layers else {}
     if as_json:
         print(json.dumps(spec.plan_dict(), indent=2))
         return
@@ -174,6 +179,7 @@ def plan(
     t = Table(
         title=printable(
             f"{desc.name} ({desc.architecture}, {desc.dtype}): --kv-cache-dtype {kv_cache_dtype}"
+            + (f" --kv-layers {spec.request['kv_layers']}" if kv_layers else "")
         )
     )
     for col in (
@@ -191,7 +197,10 @@ def plan(
     ):
         t.add_column(col)
     keys = key_transform_label(kinds)
-    for la in spec.layers:
+    for pos, la in enumerate(spec.layers):
+        why = la.skipped_by or ""
+        if pos in own and not la.mode.is_quantized:
+            why = f"--kv-layers {own[pos].text}"
         t.add_row(
             str(la.index),
             la.attention_type.value,
@@ -203,7 +212,7 @@ def plan(
             str(la.group),
             recent_label(la.recent_window, la.sink_tokens, la.recent_group),
             *([f"{keys} (fitted at build)" if la.mode.is_quantized else "-"] if kinds else []),
-            printable(la.skipped_by or ""),
+            printable(why),
         )
     console.print(t)
     groups = ", ".join(
@@ -227,6 +236,7 @@ def build(
     model: Annotated[str, typer.Argument(help="HF dir, .gguf, or built-in name.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Artifact directory to create.")],
     kv_cache_dtype: KvDtypeOption = "auto",
+    kv_layers: KvLayersOption = None,
     skip_layers: SkipOption = None,
     boundary: BoundaryOption = True,
     block_size: BlockSizeOption = DEFAULT_BLOCK_SIZE,
@@ -255,6 +265,7 @@ def build(
 ):
     """Export MODEL with per-layer KV caches: model.onnx + tqexport.json + tokenizer."""
     from tqexport.export.artifact import BuildOptions, build_artifact, parse_kv_scales
+    from tqexport.kv_layers import parse_kv_layers
     from tqexport.kvquant.modes import parse_kv_cache_dtype
     from tqexport.kvquant.transforms import parse_key_transform
 
@@ -266,10 +277,14 @@ def build(
     parse_kv_scales(kv_scales)
     parse_key_transform(key_transform)
     _check_cache_options(ctx, kv_cache_dtype)
-    if given(ctx, "kv_scales") and not parse_kv_cache_dtype(kv_cache_dtype).mode.uses_layer_scales:
+    names = [kv_cache_dtype, *(r.dtype for r in parse_kv_layers(kv_layers or "0:auto"))]
+    if given(ctx, "kv_scales") and not any(
+        parse_kv_cache_dtype(n).mode.uses_layer_scales for n in names
+    ):
+        where = f"--kv-cache-dtype {kv_cache_dtype}" + (" nor --kv-layers" if kv_layers else "")
         raise TQExportError(
-            f"--kv-scales {kv_scales} has no effect: --kv-cache-dtype {kv_cache_dtype} has no "
-            "per-layer scales (fp8 and nvfp4 have); drop it"
+            f"--kv-scales {kv_scales} has no effect: {where} has no per-layer scales (fp8 and "
+            "nvfp4 have); drop it"
         )
     if dtype is not None:
         validate.choice(dtype, "--dtype", ("float32", "float16", "bfloat16"))
@@ -286,6 +301,7 @@ def build(
         kv_scales=kv_scales,
         calibration_text=calibration_text,
         key_transform=key_transform,
+        kv_layers=kv_layers,
     )
     labels = {
         "load": "loading weights",

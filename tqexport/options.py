@@ -48,6 +48,15 @@ SkipOption = Annotated[
     ),
 ]
 
+KvLayersOption = Annotated[
+    str | None,
+    typer.Option(
+        "--kv-layers",
+        help="Per-layer caches: RANGE:DTYPE[:wN][:sN] joined by commas, e.g. "
+        "0-1:auto,2-27:tqx_k4v2_mse:w64:s4,28-29:fp8 (wN/sN: that range's recent window and "
+        "sink tokens); layers left out get --kv-cache-dtype.",
+    ),
+]
 
 KvDtypeOption = Annotated[str, typer.Option(help="vLLM kv-cache dtype name.")]
 BoundaryOption = Annotated[

@@ -70,6 +70,14 @@ def bench_quality(
             "none or kinds joined by + (e.g. none,center,center+smooth+signs).",
         ),
     ] = "none",
+    kv_layers: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--kv-layers",
+            help="Per-layer caches to score instead of whole dtypes, one configuration per "
+            "value (repeatable): RANGE:DTYPE[:wN][:sN] joined by commas, as plan and build.",
+        ),
+    ] = None,
     chunk: Annotated[int, typer.Option(help="Tokens per evaluation window.")] = 1024,
     chunks: Annotated[int, typer.Option(help="Windows scored (from the text's start).")] = 4,
     text_file: Annotated[
@@ -93,7 +101,13 @@ def bench_quality(
         kv_scales,
         key_transform,
         sink_tokens,
+        kv_layers,
     )
+    if kv_layers and not matrix.is_artifact(target):
+        from tqexport.export.artifact import check_options
+
+        for c in configs:  # resolved from the config alone: nothing loads for a bad range
+            check_options(target, c.build_options())
     ours, peer_result, note = _quality(target, configs, text_file, chunk, chunks, peer)
     rows = with_deltas(ours, peer_result)
     if as_json:
