@@ -161,3 +161,23 @@ def test_a_table_of_another_model_or_a_damaged_one_is_refused(tmp_path):
     path.write_text("{")
     with pytest.raises(TQExportError, match=r"not a `tqexport calibrate` table \(not JSON\)"):
         cal.read_table(path)
+
+
+def test_bench_quality_kv_bits_scores_the_chosen_plan_with_its_prediction(tmp_path, monkeypatch):
+    from tqexport.bench import commands
+
+    desc = describe_model("tiny-llama")
+    path = tmp_path / "t.json"
+    cost = [[0.1 * (i + 1), 0.5 * (i + 1)] for i in range(6)]
+    table_for(desc, ("fp8", "tqx_k4v4"), cost).write(path)
+    said = []
+    monkeypatch.setattr(commands, "_say", said.append)
+    configs = commands._budget_configs("tiny-llama", "8,6", path, {"--kv-layers": None})
+    want = [choose(desc, cal.read_table(path), b) for b in (8, 6)]
+    assert [(c.label, c.kv_layers, c.predicted_kl) for c in configs] == [
+        (f"kv-bits {b}", w.kv_layers, w.predicted_cost) for b, w in zip((8, 6), want)
+    ]
+    assert configs[0].kv_layers == "0-5:fp8"
+    want = "^--kv-bits 8 chooses every layer's dtype, window and sinks, so --recent-window has "
+    with pytest.raises(TQExportError, match=want + "no effect; drop one of them$"):
+        commands._budget_configs("tiny-llama", "8", path, {"--recent-window": True})

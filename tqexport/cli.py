@@ -129,7 +129,7 @@ def _budget_layers(ctx: typer.Context, model: str, dtype: str | None) -> str | N
         return p["kv_layers"]
     kv_bits = kv_budget.check_budget(p["kv_bits"])
     names = ("kv_layers", "kv_cache_dtype", "skip_layers", "recent_window", "sink_tokens")
-    kv_budget.conflicts(kv_bits, {
+    kv_budget.conflicts(f"{kv_bits:g}", {
         "--kv-layers": p["kv_layers"] is not None, "--kv-cache-dtype": given(ctx, names[1]),
         "--skip-layers": bool(p["skip_layers"]), "--kv-recent-window": given(ctx, names[3]),
         "--kv-sink-tokens": given(ctx, names[4]),

@@ -99,7 +99,7 @@ def conflicts(kv_bits, given: dict[str, bool]) -> None:
     for flag, was in given.items():
         if was:
             raise TQExportError(
-                f"--kv-bits {kv_bits:g} chooses every layer's dtype, window and sinks, so "
+                f"--kv-bits {kv_bits} chooses every layer's dtype, window and sinks, so "
                 f"{flag} has no effect; drop one of them"
             )
 

@@ -38,6 +38,8 @@ class Config:
     kv_scales: str = "1.0"  # fp8/nvfp4 per-layer scales: a number, or "calibrate"
     key_transform: str = "none"  # exact key transforms (kvquant.transforms), kinds joined by +
     kv_layers: str | None = None  # per-layer caches (tqexport.kv_layers); others: kv_cache_dtype
+    kv_bits: float | None = None  # the --kv-bits budget that chose kv_layers
+    predicted_kl: float | None = None  # what the calibration table predicts for kv_layers
 
     @property
     def label(self) -> str:
@@ -51,6 +53,8 @@ class Config:
         extra += [f"sink {self.sink_tokens}"] if self.sink_tokens else []
         extra += [f"scales {self.kv_scales}"] if self.kv_scales != "1.0" else []
         extra += [f"keys {self.key_transform}"] if self.key_transform != "none" else []
+        if self.kv_bits is not None:
+            return f"kv-bits {self.kv_bits:g}"
         if self.kv_layers:
             return " ".join([f"layers {self.kv_layers}", *extra] + [f"rest {self.kv_cache_dtype}"]
                             * (self.kv_cache_dtype != "auto"))  # fmt: skip
@@ -117,6 +121,11 @@ class Run:
             "sink_tokens": self.spec.sink_tokens,
             "key_transform": self.spec.request.get("key_transform", "none"),
             "kv_layers": self.spec.request.get("kv_layers"),
+            **(
+                {"kv_bits": self.config.kv_bits, "predicted_kl": self.config.predicted_kl}
+                if self.config and self.config.kv_bits is not None
+                else {}
+            ),  # fmt: skip
             "layer_dtypes": [la.kv_cache_dtype for la in self.spec.layers],
             "quantized_dtypes": quantized,
             "bits_per_element": bits_per_element(self.spec, 16),
