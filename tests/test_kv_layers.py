@@ -208,3 +208,15 @@ def test_bench_quality_scores_a_kv_layers_configuration(monkeypatch):
         ("3:nvfp4", 4, "layers 3:nvfp4 recent 4"),
     ]
     assert configs[1].build_options().kv_layers == "0-2:fp8"
+
+
+def test_key_transforms_go_to_the_quantized_ranges_only():
+    from tqexport.kvquant import transforms
+
+    fitted = {
+        i: transforms.fit(("signs",), None, i, num_kv_heads=2, head_size=64) for i in range(4)
+    }
+    spec = resolve(dense(4), "auto", kv_layers="0-1:tqx_k4v4,2:float16", key_transform=("signs",),
+                   key_transforms=fitted).spec  # fmt: skip
+    assert [la.key_transform is not None for la in spec.layers] == [True, True, False, False]
+    assert ModelSpec.from_json(spec.to_json()).to_dict() == spec.to_dict()

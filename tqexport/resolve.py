@@ -178,10 +178,20 @@ def resolve(
     group_of = {ix: g.id for g in groups if not g.recent for ix in g.layers}
     recent_group_of = {ix: g.id for g in groups if g.recent for ix in g.layers}
     kv_scales = kv_scales or {}
+    #: the layers a key transform applies to: every one the global dtype or an entry quantizes
+    keyed = {
+        pos
+        for pos in range(len(layers))
+        if pos not in skipped and (not own or parse_kv_cache_dtype(dtypes[pos]).mode.is_quantized)
+    }
+    if key_transform and own and not keyed:
+        raise ResolveError(
+            f"--kv-key-transform {key_transform_label(key_transform)} has no effect: "
+            f"{KV_LAYERS} and --kv-cache-dtype {kv_cache_dtype} quantize no layer; drop it"
+        )
     for pos, la in enumerate(layers):
         layer_entry = parse_kv_cache_dtype(dtypes[pos])
-        asked = pos not in skipped and (pos not in own or layer_entry.mode.is_quantized)
-        why = asked and refusal(
+        why = pos in keyed and refusal(
             key_transform, layer_entry.native and layer_entry.is_turboquant, la.softcap
         )
         if why:
@@ -217,9 +227,7 @@ def resolve(
                 skipped_by=skipped.get(pos) if pos not in own and dtype != kv_cache_dtype else None,
                 recent=recent_spec(cache, recent[la.index]) if la.index in recent else None,
                 recent_group=recent_group_of.get(la.index),
-                key_transform=(key_transforms or {}).get(la.index)
-                if dtypes[pos] != UNQUANTIZED
-                else None,
+                key_transform=(key_transforms or {}).get(la.index) if pos in keyed else None,
                 sink_tokens=sinks.get(la.index, 0),
             )
         )
