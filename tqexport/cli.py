@@ -19,18 +19,22 @@ from rich.text import Text
 
 from tqexport import validate
 from tqexport.bench.commands import bench_app
-from tqexport.console import console, err, error_exit, fmt_bytes, ok_text, run_in_stages
+from tqexport.calibration import DEFAULT_CANDIDATES, DEFAULT_TOKENS
+from tqexport.console import console, err, error_exit, fmt_bytes, ok_text, progress, run_in_stages
 from tqexport.console import warn as _warn
 from tqexport.errors import TQExportError
 from tqexport.native import KERNEL_CHOICES
 from tqexport.options import (
     BlockSizeOption,
     BoundaryOption,
+    CalibrationOption,
     Command,
     EngineOptions,
     KernelsOption,
     KeyTransformOption,
+    KvBitsOption,
     KvDtypeOption,
+    KvLayersOption,
     MemoryOptions,
     RecentWindowOption,
     SinkTokensOption,
@@ -113,11 +117,47 @@ def _check_cache_options(ctx: typer.Context, kv_cache_dtype: str) -> None:
         )
 
 
+def _budget_layers(ctx: typer.Context, model: str, dtype: str | None) -> str | None:
+    """``--kv-layers`` as given, or as ``--kv-bits`` chooses it (the plan and its predicted
+    cost printed to stderr); options ``--kv-bits`` would override are refused first."""
+    from tqexport import kv_budget
+
+    p = ctx.params
+    if p["kv_bits"] is None:
+        if p["calibration"] is not None:
+            raise TQExportError("--calibration is read only by --kv-bits; add --kv-bits or drop it")
+        return p["kv_layers"]
+    kv_bits = kv_budget.check_budget(p["kv_bits"])
+    names = ("kv_layers", "kv_cache_dtype", "skip_layers", "recent_window", "sink_tokens")
+    kv_budget.conflicts(f"{kv_bits:g}", {
+        "--kv-layers": p["kv_layers"] is not None, "--kv-cache-dtype": given(ctx, names[1]),
+        "--skip-layers": bool(p["skip_layers"]), "--kv-recent-window": given(ctx, names[3]),
+        "--kv-sink-tokens": given(ctx, names[4]),
+    })  # fmt: skip
+    from tqexport.models.config import describe_model
+
+    desc = describe_model(model, dtype)
+    choice, _ = kv_budget.budget_plan(model, desc, kv_bits, p["calibration"], _say)
+    _say(
+        f"--kv-bits {kv_bits:g} chose --kv-layers {choice.kv_layers}: "
+        f"{float(choice.bits_per_element):.4f} bits per element all in, predicted KL "
+        f"{choice.predicted_cost:.5f} (the sum of its layers' calibrated costs)"
+    )
+    return choice.kv_layers
+
+
+def _say(text: str) -> None:
+    err.print(printable(text))
+
+
 @app.command(cls=Command)
 def plan(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="HF dir, config.json, .gguf, or built-in name.")],
     kv_cache_dtype: KvDtypeOption = "auto",
+    kv_layers: KvLayersOption = None,
+    kv_bits: KvBitsOption = None,
+    calibration: CalibrationOption = None,
     skip_layers: SkipOption = None,
     boundary: BoundaryOption = True,
     block_size: BlockSizeOption = DEFAULT_BLOCK_SIZE,
@@ -140,6 +180,7 @@ def plan(
     ] = False,
 ):
     """Print the per-layer cache plan of MODEL from its config alone (no weights loaded)."""
+    from tqexport.kv_layers import covered, parse_kv_layers
     from tqexport.kvquant.transforms import key_transform_label, parse_key_transform
     from tqexport.models.config import describe_model
     from tqexport.resolve import resolve
@@ -152,14 +193,17 @@ def plan(
     validate.sink_tokens(sink_tokens)
     _check_cache_options(ctx, kv_cache_dtype)
     kinds = parse_key_transform(key_transform)
+    kv_layers = _budget_layers(ctx, model, dtype)
     desc = describe_model(model, dtype)
     res = resolve(
         desc, kv_cache_dtype, skip_layers or [], boundary=boundary, block_size=block_size,
         recent_window=recent_window, sink_tokens=sink_tokens, key_transform=kinds,
+        kv_layers=kv_layers,
     )  # fmt: skip
     for w in res.warnings:
         _warn(w)
     spec = res.spec
+    own = covered(parse_kv_layers(kv_layers), len(spec.layers)) if kv_layers else {}
     if as_json:
         print(json.dumps(spec.plan_dict(), indent=2))
         return
@@ -174,6 +218,7 @@ def plan(
     t = Table(
         title=printable(
             f"{desc.name} ({desc.architecture}, {desc.dtype}): --kv-cache-dtype {kv_cache_dtype}"
+            + (f" --kv-layers {spec.request['kv_layers']}" if kv_layers else "")
         )
     )
     for col in (
@@ -191,7 +236,10 @@ def plan(
     ):
         t.add_column(col)
     keys = key_transform_label(kinds)
-    for la in spec.layers:
+    for pos, la in enumerate(spec.layers):
+        why = la.skipped_by or ""
+        if pos in own and not la.mode.is_quantized:
+            why = f"--kv-layers {own[pos].text}"
         t.add_row(
             str(la.index),
             la.attention_type.value,
@@ -203,7 +251,7 @@ def plan(
             str(la.group),
             recent_label(la.recent_window, la.sink_tokens, la.recent_group),
             *([f"{keys} (fitted at build)" if la.mode.is_quantized else "-"] if kinds else []),
-            printable(la.skipped_by or ""),
+            printable(why),
         )
     console.print(t)
     groups = ", ".join(
@@ -227,6 +275,9 @@ def build(
     model: Annotated[str, typer.Argument(help="HF dir, .gguf, or built-in name.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Artifact directory to create.")],
     kv_cache_dtype: KvDtypeOption = "auto",
+    kv_layers: KvLayersOption = None,
+    kv_bits: KvBitsOption = None,
+    calibration: CalibrationOption = None,
     skip_layers: SkipOption = None,
     boundary: BoundaryOption = True,
     block_size: BlockSizeOption = DEFAULT_BLOCK_SIZE,
@@ -255,6 +306,7 @@ def build(
 ):
     """Export MODEL with per-layer KV caches: model.onnx + tqexport.json + tokenizer."""
     from tqexport.export.artifact import BuildOptions, build_artifact, parse_kv_scales
+    from tqexport.kv_layers import parse_kv_layers
     from tqexport.kvquant.modes import parse_kv_cache_dtype
     from tqexport.kvquant.transforms import parse_key_transform
 
@@ -266,13 +318,18 @@ def build(
     parse_kv_scales(kv_scales)
     parse_key_transform(key_transform)
     _check_cache_options(ctx, kv_cache_dtype)
-    if given(ctx, "kv_scales") and not parse_kv_cache_dtype(kv_cache_dtype).mode.uses_layer_scales:
-        raise TQExportError(
-            f"--kv-scales {kv_scales} has no effect: --kv-cache-dtype {kv_cache_dtype} has no "
-            "per-layer scales (fp8 and nvfp4 have); drop it"
-        )
     if dtype is not None:
         validate.choice(dtype, "--dtype", ("float32", "float16", "bfloat16"))
+    kv_layers = _budget_layers(ctx, model, dtype)
+    names = [kv_cache_dtype, *(r.dtype for r in parse_kv_layers(kv_layers or "0:auto"))]
+    if given(ctx, "kv_scales") and not any(
+        parse_kv_cache_dtype(n).mode.uses_layer_scales for n in names
+    ):
+        where = f"--kv-cache-dtype {kv_cache_dtype}" + (" nor --kv-layers" if kv_layers else "")
+        raise TQExportError(
+            f"--kv-scales {kv_scales} has no effect: {where} has no per-layer scales (fp8 and "
+            "nvfp4 have); drop it"
+        )
     options = BuildOptions(
         kv_cache_dtype=kv_cache_dtype,
         skip_layers=skip_layers or [],
@@ -286,6 +343,7 @@ def build(
         kv_scales=kv_scales,
         calibration_text=calibration_text,
         key_transform=key_transform,
+        kv_layers=kv_layers,
     )
     labels = {
         "load": "loading weights",
@@ -333,6 +391,57 @@ def build(
         console.print(
             f"sink tokens: the first {spec.sink_tokens} tokens of each sequence also kept there",
         )
+
+
+@app.command(cls=Command)
+def calibrate(
+    model: Annotated[str, typer.Argument(help="HF dir, .gguf, or built-in name.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="The table file (JSON) to write.")],
+    candidates: Annotated[
+        str,
+        typer.Option(
+            help="Caches to measure, DTYPE[:wN][:sN] joined by commas (auto is always one)."
+        ),
+    ] = ",".join(DEFAULT_CANDIDATES),
+    tokens: Annotated[int, typer.Option(help="Calibration tokens scored per measurement.")] = (
+        DEFAULT_TOKENS
+    ),
+    calibration_text: Annotated[
+        Path | None,
+        typer.Option(help="Calibration text (default: the held-out pydoc topics)."),
+    ] = None,
+):
+    """Measure what each candidate cache costs in each layer (KL of the next-token distribution
+    with only that layer changed) and write the table `--kv-bits` reads."""
+    from tqexport import calibration as cal
+
+    cands = cal.parse_candidates(candidates)
+    validate.integer(tokens, "--tokens", 2, cal.MAX_TOKENS)
+    if calibration_text is not None:
+        validate.text_file(calibration_text, "--calibration-text")
+    if out.is_dir():
+        raise TQExportError(f"-o {out} is a directory; give a file name")
+    from tqexport.models.config import describe_model
+
+    desc = describe_model(model)
+    with progress() as bar:
+        task = bar.add_task("calibrating", total=len(desc.layers) * len(cands))
+        table = cal.measure(model, cands, calibration_text, tokens,
+                            lambda done, total: bar.update(task, completed=done))  # fmt: skip
+    table.write(out)
+    t = Table(title=printable(f"{desc.name}: mean KL per prediction, only that layer changed"))
+    t.add_column("layer")
+    for c in cands:
+        t.add_column(c, justify="right")
+    for pos, row in enumerate(table.cost):
+        t.add_row(str(pos), *(f"{x:.2e}" for x in row))
+    console.print(t)
+    console.print(
+        printable(
+            f"{len(table.cost)} layers x {len(cands)} candidates on {table.text['tokens']} tokens "
+            f"of {table.text['name']} in {table.elapsed_seconds:.0f} s; wrote {out}"
+        )
+    )
 
 
 @app.command(cls=Command)

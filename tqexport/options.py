@@ -4,6 +4,7 @@ every command uses, and whether an option was given."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -48,6 +49,31 @@ SkipOption = Annotated[
     ),
 ]
 
+KvLayersOption = Annotated[
+    str | None,
+    typer.Option(
+        "--kv-layers",
+        help="Per-layer caches: RANGE:DTYPE[:wN][:sN] joined by commas, e.g. "
+        "0-1:auto,2-27:tqx_k4v2_mse:w64:s4,28-29:fp8 (wN/sN: that range's recent window and "
+        "sink tokens); layers left out get --kv-cache-dtype.",
+    ),
+]
+
+KvBitsOption = Annotated[
+    float | None,
+    typer.Option(
+        "--kv-bits",
+        help="Choose every layer's cache (dtype, window, sinks) for the least predicted cost at "
+        "most B bits per element all in (a knapsack over a `tqexport calibrate` table).",
+    ),
+]
+CalibrationOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--calibration",
+        help="With --kv-bits: the `tqexport calibrate` table (default: measured now).",
+    ),
+]
 
 KvDtypeOption = Annotated[str, typer.Option(help="vLLM kv-cache dtype name.")]
 BoundaryOption = Annotated[

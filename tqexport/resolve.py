@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tqexport.errors import ResolveError, TQExportError
+from tqexport.kv_layers import OPTION as KV_LAYERS
+from tqexport.kv_layers import canonical, covered, layer_recent, parse_kv_layers, spans
 from tqexport.kvquant.modes import parse_kv_cache_dtype
 from tqexport.kvquant.transforms import KeyTransform, key_transform_label, refusal
 from tqexport.skip_layers import parse_skip_patterns
@@ -115,6 +117,7 @@ def resolve(
     sink_tokens: int = 0,
     key_transform: tuple[str, ...] = (),
     key_transforms: dict[int, KeyTransform] | None = None,
+    kv_layers: str | None = None,
 ) -> Resolution:
     """Decide every layer's cache. ``boundary`` turns TurboQuant boundary protection on/off;
     ``kv_scales`` maps layer index -> (k_scale, v_scale) for fp8/nvfp4 layers (default 1.0);
@@ -122,8 +125,11 @@ def resolve(
     dtype (a sliding layer keeps at most its own window), and ``sink_tokens`` S > 0 the first
     S tokens of every sequence there as well. ``key_transform`` names the kinds of
     exact key transform every quantized layer takes (checked here); ``key_transforms`` holds
-    them per layer index once fitted (None: checked only, e.g. before weights load)."""
+    them per layer index once fitted (None: checked only, e.g. before weights load).
+    ``kv_layers`` (the ``--kv-layers`` grammar, :mod:`tqexport.kv_layers`) gives ranges of
+    layers their own dtype, window and sinks; the others get all of the above."""
     entry = parse_kv_cache_dtype(kv_cache_dtype)
+    ranges = parse_kv_layers(kv_layers) if kv_layers is not None else ()
     if block_size <= 0:
         raise ResolveError(f"--block-size must be positive, got {block_size}")
     if recent_window < 0:
@@ -139,9 +145,17 @@ def resolve(
     if not layers:
         raise ResolveError(f"model {model.name!r} has no attention layers")
     warnings: list[str] = []
+    own = covered(ranges, len(layers))
+    if ranges:
+        warnings += _coverage(own, len(layers), kv_cache_dtype, kv_layers)
     skipped: dict[int, str] = {}
     for pattern in parse_skip_patterns(skip_layers):
         hit = pattern.matches(layers)
+        if both := sorted(hit & own.keys()):
+            raise ResolveError(
+                f"--skip-layers {pattern.text} and {KV_LAYERS} {own[both[0]].text} both choose "
+                f"layer {both[0]}'s cache; drop the layer from one of them"
+            )
         if not hit and pattern.kind == "class":
             warnings.append(
                 f"--skip-layers {pattern.text}: model {model.name!r} has no "
@@ -150,31 +164,35 @@ def resolve(
         for i in sorted(hit):
             skipped.setdefault(i, f"--skip-layers {pattern.text}")
     if entry.is_turboquant and boundary:
-        protected = turboquant_boundary(len(layers), vllm=not entry.native)
+        protected = turboquant_boundary(len(layers), vllm=not entry.native) - own.keys()
         warnings += _boundary_warning(kv_cache_dtype, len(layers), protected)
         for i in sorted(protected):
             skipped.setdefault(i, "turboquant boundary")
 
-    recent = {}
-    if recent_window and not entry.mode.is_quantized:
-        raise ResolveError(
-            f"--kv-recent-window {recent_window} has no effect: --kv-cache-dtype "
-            f"{kv_cache_dtype} is not quantized; drop it"
-        )
-    if recent_window:
-        recent = {
-            la.index: min(recent_window, la.window or recent_window)
-            for pos, la in enumerate(layers)
-            if pos not in skipped
-        }
-    sinks = {ix: sink_tokens for ix in recent} if sink_tokens else {}
+    dtypes = {
+        pos: own[pos].dtype if pos in own else UNQUANTIZED if pos in skipped else kv_cache_dtype
+        for pos in range(len(layers))
+    }
+    recent, sinks = _recent(layers, own, skipped, recent_window, sink_tokens, kv_cache_dtype)
     groups = build_groups({la.index: la.window for la in layers}, block_size, recent, sinks)
     group_of = {ix: g.id for g in groups if not g.recent for ix in g.layers}
     recent_group_of = {ix: g.id for g in groups if g.recent for ix in g.layers}
     kv_scales = kv_scales or {}
+    #: the layers a key transform applies to: every one the global dtype or an entry quantizes
+    keyed = {
+        pos
+        for pos in range(len(layers))
+        if pos not in skipped and (not own or parse_kv_cache_dtype(dtypes[pos]).mode.is_quantized)
+    }
+    if key_transform and own and not keyed:
+        raise ResolveError(
+            f"--kv-key-transform {key_transform_label(key_transform)} has no effect: "
+            f"{KV_LAYERS} and --kv-cache-dtype {kv_cache_dtype} quantize no layer; drop it"
+        )
     for pos, la in enumerate(layers):
-        why = pos not in skipped and refusal(
-            key_transform, entry.native and entry.is_turboquant, la.softcap
+        layer_entry = parse_kv_cache_dtype(dtypes[pos])
+        why = pos in keyed and refusal(
+            key_transform, layer_entry.native and layer_entry.is_turboquant, la.softcap
         )
         if why:
             raise ResolveError(
@@ -182,7 +200,7 @@ def resolve(
             )
     specs = []
     for pos, la in enumerate(layers):
-        dtype = UNQUANTIZED if pos in skipped else kv_cache_dtype
+        dtype = dtypes[pos]
         scaled = parse_kv_cache_dtype(dtype).mode.uses_layer_scales
         k_scale, v_scale = kv_scales.get(la.index, (1.0, 1.0)) if scaled else (1.0, 1.0)
         try:
@@ -206,10 +224,10 @@ def resolve(
                 scale=la.scale,
                 softcap=la.softcap,
                 group=group_of[la.index],
-                skipped_by=skipped.get(pos) if dtype != kv_cache_dtype else None,
+                skipped_by=skipped.get(pos) if pos not in own and dtype != kv_cache_dtype else None,
                 recent=recent_spec(cache, recent[la.index]) if la.index in recent else None,
                 recent_group=recent_group_of.get(la.index),
-                key_transform=(key_transforms or {}).get(la.index) if pos not in skipped else None,
+                key_transform=(key_transforms or {}).get(la.index) if pos in keyed else None,
                 sink_tokens=sinks.get(la.index, 0),
             )
         )
@@ -226,6 +244,62 @@ def resolve(
         }
         | ({"recent_window": recent_window} if recent_window else {})
         | ({"sink_tokens": sink_tokens} if sink_tokens else {})
-        | ({"key_transform": key_transform_label(key_transform)} if key_transform else {}),
+        | ({"key_transform": key_transform_label(key_transform)} if key_transform else {})
+        | ({"kv_layers": canonical(ranges)} if ranges else {}),
     )
     return Resolution(spec, tuple(warnings))
+
+
+def _coverage(own: dict, num_layers: int, kv_cache_dtype: str, text: str) -> list[str]:
+    """What the layers no ``--kv-layers`` entry covers get (a warning), or why
+    ``--kv-cache-dtype`` has no effect (every layer covered)."""
+    left = [pos for pos in range(num_layers) if pos not in own]
+    if not left:
+        if kv_cache_dtype != UNQUANTIZED:
+            raise ResolveError(
+                f"--kv-cache-dtype {kv_cache_dtype} has no effect: {KV_LAYERS} {text} covers "
+                "every layer; drop it, or leave the layers it should cover out of --kv-layers"
+            )
+        return []
+    return [
+        f"{KV_LAYERS} leaves layers {spans(left)} out: they get --kv-cache-dtype "
+        f"{kv_cache_dtype} (give them an entry to choose otherwise)"
+    ]
+
+
+def _recent(layers, own, skipped, recent_window, sink_tokens, kv_cache_dtype):
+    """Each layer's recent window and sink tokens ({layer index: N}, only where N > 0): a
+    covered layer's from its entry (else the global options), the others' from the global
+    options where their dtype is quantized; refuses a global option no layer takes."""
+    recent, sinks, takers = {}, {}, 0
+    global_dtype = parse_kv_cache_dtype(kv_cache_dtype).mode.is_quantized
+    for pos, la in enumerate(layers):
+        if pos in own:
+            r = own[pos]
+            window, sink = layer_recent(r, la.window, recent_window, sink_tokens)
+            if r.sink_tokens and not window:
+                raise ResolveError(
+                    f"{KV_LAYERS} {r.text}: s{r.sink_tokens} needs a recent window (the sink "
+                    "tokens are kept in it); add wN to the entry or give --kv-recent-window"
+                )
+            takers += r.recent_window is None and window > 0
+        elif global_dtype and pos not in skipped and recent_window:
+            window, sink = min(recent_window, la.window or recent_window), sink_tokens
+            takers += 1
+        else:
+            window, sink = 0, 0
+        if window:
+            recent[la.index] = window
+        if sink:
+            sinks[la.index] = sink
+    if recent_window and not own and not parse_kv_cache_dtype(kv_cache_dtype).mode.is_quantized:
+        raise ResolveError(
+            f"--kv-recent-window {recent_window} has no effect: --kv-cache-dtype "
+            f"{kv_cache_dtype} is not quantized; drop it"
+        )
+    if recent_window and own and not takers:
+        raise ResolveError(
+            f"--kv-recent-window {recent_window} has no effect: every quantized layer has its "
+            f"own wN in {KV_LAYERS} or none is quantized; drop it"
+        )
+    return recent, sinks

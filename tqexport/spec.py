@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from tqexport import __version__
+from tqexport import __version__, kv_layers
 from tqexport.errors import TQExportError
 from tqexport.kvquant import transforms
 from tqexport.kvquant.codecs import MAX_HEAD_SIZE, MODEL_DTYPES, Codec, TensorFormat, codec_for
@@ -843,9 +843,40 @@ class ModelSpec:
                 )
         requested = self.request.get("kv_cache_dtype")
         if requested is not None:
-            rw = self.request.get("recent_window", 0)
-            quantized = parse_kv_cache_dtype(requested).mode.is_quantized
-            for la in self.layers:
+            self._check_request_layers(requested)
+        if self.io is not None:
+            ours = self.graph_io()
+            if not _same(self.io, ours):
+                raise SpecError(
+                    f"spec: field 'io' does not match the graph I/O its layers and groups give "
+                    f"({_io_difference(self.io, ours)}){INCONSISTENT}"
+                )
+
+    def _check_request_layers(self, requested: str) -> None:
+        """Every layer's dtype, recent window and sink tokens are what the request gives it:
+        its ``kv_layers`` entry's, else the requested dtype unless skipped."""
+        rw = self.request.get("recent_window", 0)
+        rs = self.request.get("sink_tokens", 0)
+        quantized = parse_kv_cache_dtype(requested).mode.is_quantized
+        own: dict[int, kv_layers.LayerRange] = {}
+        if "kv_layers" in self.request:
+            try:
+                ranges = kv_layers.parse_kv_layers(self.request["kv_layers"])
+                own = kv_layers.covered(ranges, len(self.layers))
+            except TQExportError as e:
+                raise SpecError(f"request: field 'kv_layers': {e}{REBUILD}") from None
+        for pos, la in enumerate(self.layers):
+            if pos in own:
+                r = own[pos]
+                if la.kv_cache_dtype != r.dtype or la.skipped_by is not None:
+                    raise SpecError(
+                        f"layer {la.index}: kv_cache_dtype {la.kv_cache_dtype!r} and skipped_by "
+                        f"{_show(la.skipped_by)} do not fit the request's kv_layers entry "
+                        f"{r.text!r}{REBUILD}"
+                    )
+                want, sinks = kv_layers.layer_recent(r, la.window, rw, rs)
+                given = f"kv_layers entry {r.text!r}, recent_window {rw}, sink_tokens {rs}"
+            else:
                 if (la.kv_cache_dtype == requested) != (la.skipped_by is None):
                     raise SpecError(
                         f"layer {la.index}: kv_cache_dtype {la.kv_cache_dtype!r} and skipped_by "
@@ -853,25 +884,19 @@ class ModelSpec:
                         f"has the requested dtype unless skipped){REBUILD}"
                     )
                 want = min(rw, la.window or rw) if rw and quantized and not la.skipped_by else 0
-                if la.recent_window != want:
-                    raise SpecError(
-                        f"layer {la.index}: recent window {la.recent_window} but the request "
-                        f"(recent_window {rw}, {requested}) gives {want}{REBUILD}"
-                    )
-                sinks = self.request.get("sink_tokens", 0) if la.recent is not None else 0
-                if la.sink_tokens != sinks:
-                    raise SpecError(
-                        f"layer {la.index}: {la.sink_tokens} sink tokens but the request "
-                        f"(sink_tokens {self.request.get('sink_tokens', 0)}) gives {sinks} to a "
-                        f"layer {'with' if la.recent is not None else 'without'} a recent window"
-                        f"{REBUILD}"
-                    )
-        if self.io is not None:
-            ours = self.graph_io()
-            if not _same(self.io, ours):
+                sinks = rs if want else 0
+                given = f"recent_window {rw}, sink_tokens {rs}, {requested}"
+            if la.recent_window != want:
                 raise SpecError(
-                    f"spec: field 'io' does not match the graph I/O its layers and groups give "
-                    f"({_io_difference(self.io, ours)}){INCONSISTENT}"
+                    f"layer {la.index}: recent window {la.recent_window} but the request "
+                    f"({given}) gives {want}{REBUILD}"
+                )
+            if la.sink_tokens != sinks:
+                raise SpecError(
+                    f"layer {la.index}: {la.sink_tokens} sink tokens but the request "
+                    f"({given}) gives {sinks} to a layer "
+                    f"{'with' if la.recent is not None else 'without'} a recent window"
+                    f"{REBUILD}"
                 )
 
     @classmethod
@@ -1182,9 +1207,16 @@ def _request(value: Any) -> dict[str, Any]:
     r = _obj(value, "spec: field 'request'")
     keys = (
         "kv_cache_dtype", "skip_layers", "boundary", "recent_window", "kv_scales", "opset",
-        "key_transform", "sink_tokens",
+        "key_transform", "sink_tokens", "kv_layers",
     )  # fmt: skip
     _known_keys(r, (), keys, "request")
+    if "kv_layers" in r:
+        try:
+            kv_layers.parse_kv_layers(_str(r, "kv_layers", "request", max_len=MAX_TEXT))
+        except SpecError:
+            raise
+        except TQExportError as e:
+            raise SpecError(f"request: field 'kv_layers': {e}{REBUILD}") from None
     if "key_transform" in r:
         try:
             transforms.parse_key_transform(_str(r, "key_transform", "request", max_len=64))

@@ -14,7 +14,7 @@ from tqexport import validate
 from tqexport.bench import matrix
 from tqexport.console import console, err, progress
 from tqexport.errors import TQExportError
-from tqexport.options import Command, SkipOption, given
+from tqexport.options import CalibrationOption, Command, SkipOption, given
 from tqexport.runtime.config import DEFAULT_KV_CACHE_MEMORY
 from tqexport.validate import printable
 
@@ -70,6 +70,23 @@ def bench_quality(
             "none or kinds joined by + (e.g. none,center,center+smooth+signs).",
         ),
     ] = "none",
+    kv_layers: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--kv-layers",
+            help="Per-layer caches to score instead of whole dtypes, one configuration per "
+            "value (repeatable): RANGE:DTYPE[:wN][:sN] joined by commas, as plan and build.",
+        ),
+    ] = None,
+    kv_bits: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-bits",
+            help="Budgets to score, e.g. 3.5,3.0: each layer's cache chosen from the calibration "
+            "table (as plan and build), shown with its predicted KL.",
+        ),
+    ] = None,
+    calibration: CalibrationOption = None,
     chunk: Annotated[int, typer.Option(help="Tokens per evaluation window.")] = 1024,
     chunks: Annotated[int, typer.Option(help="Windows scored (from the text's start).")] = 4,
     text_file: Annotated[
@@ -93,7 +110,23 @@ def bench_quality(
         kv_scales,
         key_transform,
         sink_tokens,
+        kv_layers,
     )
+    if kv_layers and not matrix.is_artifact(target):
+        from tqexport.export.artifact import check_options
+
+        for c in configs:  # resolved from the config alone: nothing loads for a bad range
+            check_options(target, c.build_options())
+    if kv_bits is not None:
+        others = {
+            "--kv-layers": kv_layers, "--kv-cache-dtype": kv_cache_dtype,
+            "--skip-layers": skip_layers, "--recent-window": recent_window != "0",
+            "--kv-sink-tokens": sink_tokens != "0", "--kv-key-transform": key_transform != "none",
+            "--kv-scales": kv_scales != "1.0", "--boundary": boundary != "both",
+        }  # fmt: skip
+        configs = _budget_configs(target, kv_bits, calibration, others)
+    elif calibration is not None:
+        raise TQExportError("--calibration is read only by --kv-bits; add --kv-bits or drop it")
     ours, peer_result, note = _quality(target, configs, text_file, chunk, chunks, peer)
     rows = with_deltas(ours, peer_result)
     if as_json:
@@ -101,6 +134,28 @@ def bench_quality(
                           "rows": rows}, indent=2))  # fmt: skip
         return
     _print_quality(ours, rows, note)
+
+
+def _budget_configs(target, kv_bits, calibration, others: dict):
+    """One configuration per ``--kv-bits`` budget, each layer's cache chosen by the knapsack;
+    ``others`` maps each option the budget would override to whether it was given."""
+    from tqexport import kv_budget
+    from tqexport.bench.quality import Config
+    from tqexport.models.config import describe_model
+
+    kv_budget.conflicts(kv_bits, {flag: bool(v) for flag, v in others.items()})
+    budgets = [kv_budget.check_budget(x) for x in validate.comma_list(kv_bits, "--kv-bits")]
+    if matrix.is_artifact(target):
+        raise TQExportError("--kv-bits needs a MODEL to choose caches for, not an artifact")
+    desc = describe_model(target)
+    configs = []
+    for b in budgets:
+        choice, _ = kv_budget.budget_plan(target, desc, b, calibration, _say)
+        _say(f"--kv-bits {b:g}: --kv-layers {choice.kv_layers} "
+             f"({float(choice.bits_per_element):.4f} bits per element)")  # fmt: skip
+        configs.append(Config("auto", kv_layers=choice.kv_layers, kv_bits=b,
+                              predicted_kl=choice.predicted_cost))  # fmt: skip
+    return configs
 
 
 def _print_quality(ours: dict, rows: list[dict], note: str | None) -> None:
@@ -123,6 +178,15 @@ def _print_quality(ours: dict, rows: list[dict], note: str | None) -> None:
     console.print(
         "bits/elem: all in, unquantized layers counted at 16 bits; KL = KL(baseline || run)",
     )
+    for r in rows:
+        if r.get("predicted_kl") is not None:
+            console.print(
+                printable(
+                    f"{r['label']}: --kv-layers {r['kv_layers']}; KL predicted "
+                    f"{r['predicted_kl']:.5f} (sum of calibrated layer costs), measured "
+                    f"{r.get('kl', 0):.5f}"
+                )
+            )
     if note:
         err.print(printable(f"llama.cpp peer {note}"))
 

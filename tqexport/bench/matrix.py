@@ -51,11 +51,13 @@ def quality_configs(
     kv_scales: str = "1.0",
     key_transforms: str = "none",
     sinks: str = "0",
+    kv_layers: list[str] | None = None,
 ):
     """The configurations a quality run scores: every dtype, TurboQuant ones with boundary
     protection on/off as asked, quantized ones at every recent window (those > 0 with every
     count of sink tokens in ``sinks``), native TurboQuant ones with every key transform in the
-    comma-separated ``key_transforms``."""
+    comma-separated ``key_transforms``. Each of ``kv_layers`` (one ``--kv-layers`` value each)
+    is one configuration instead, its left-out layers at the one ``--kv-cache-dtype`` (auto)."""
     from tqexport.bench.quality import Config
     from tqexport.export.artifact import parse_kv_scales
     from tqexport.kvquant.modes import parse_kv_cache_dtype
@@ -78,6 +80,9 @@ def quality_configs(
         key_transform_label(parse_key_transform(t))
         for t in split([key_transforms], "--kv-key-transform")
     ]
+    if kv_layers:
+        return _layer_configs(kv_layers, dtypes, boundary, skip, windows, sink_counts,
+                              kv_scales, transforms)  # fmt: skip
     _no_effect(names, entries, boundary, kv_scales, transforms, windows)
     configs = []
     for n in names:
@@ -94,6 +99,30 @@ def quality_configs(
                 for t in keys
             ]
     return configs
+
+
+def _layer_configs(kv_layers, dtypes, boundary, skip, windows, sink_counts, kv_scales, transforms):
+    """One configuration per ``--kv-layers`` value (and global window, sinks, key transform);
+    the one ``--kv-cache-dtype`` given, else auto, is what the layers left out get."""
+    from tqexport.bench.quality import Config
+    from tqexport.kv_layers import parse_kv_layers
+
+    names = split(dtypes, "--kv-cache-dtype") or ["auto"]
+    if len(names) > 1:
+        raise TQExportError(
+            f"--kv-layers takes one --kv-cache-dtype (what the layers it leaves out get), got "
+            f"{','.join(names)}; give one"
+        )
+    for spec in kv_layers:
+        parse_kv_layers(spec)
+    fixed = dict(skip_layers=skip, kv_scales=kv_scales, boundary=boundary != "off")
+    return [
+        Config(names[0], recent_window=w, sink_tokens=s, key_transform=t, kv_layers=spec, **fixed)
+        for spec in kv_layers
+        for w in windows
+        for s in (sink_counts if w else [0])
+        for t in transforms
+    ]
 
 
 def _no_effect(names, entries, boundary, kv_scales, transforms, windows) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 from tqexport.bench.evaltext import EvalText, chunk_tokens
@@ -36,6 +37,9 @@ class Config:
     sink_tokens: int = 0
     kv_scales: str = "1.0"  # fp8/nvfp4 per-layer scales: a number, or "calibrate"
     key_transform: str = "none"  # exact key transforms (kvquant.transforms), kinds joined by +
+    kv_layers: str | None = None  # per-layer caches (tqexport.kv_layers); others: kv_cache_dtype
+    kv_bits: float | None = None  # the --kv-bits budget that chose kv_layers
+    predicted_kl: float | None = None  # what the calibration table predicts for kv_layers
 
     @property
     def label(self) -> str:
@@ -49,7 +53,20 @@ class Config:
         extra += [f"sink {self.sink_tokens}"] if self.sink_tokens else []
         extra += [f"scales {self.kv_scales}"] if self.kv_scales != "1.0" else []
         extra += [f"keys {self.key_transform}"] if self.key_transform != "none" else []
+        if self.kv_bits is not None:
+            return f"kv-bits {self.kv_bits:g}"
+        if self.kv_layers:
+            return " ".join([f"layers {self.kv_layers}", *extra] + [f"rest {self.kv_cache_dtype}"]
+                            * (self.kv_cache_dtype != "auto"))  # fmt: skip
         return " ".join([self.kv_cache_dtype, *extra])
+
+    def build_options(self) -> BuildOptions:
+        """The build options giving this configuration's spec."""
+        return BuildOptions(
+            self.kv_cache_dtype, list(self.skip_layers), self.boundary,
+            recent_window=self.recent_window, sink_tokens=self.sink_tokens,
+            kv_scales=self.kv_scales, key_transform=self.key_transform, kv_layers=self.kv_layers,
+        )  # fmt: skip
 
 
 #: context over which a recent window's fixed per-sequence bytes are amortized
@@ -63,19 +80,24 @@ def bits_per_element(spec: ModelSpec, model_bits: int | None = None) -> float:
     ``model_bits`` counts unquantized storage (``auto`` layers, recent windows) at that width
     instead of the spec's model dtype (the runs here are fp32; a deployment keeps them in 16).
     """
-    bits = elems = 0
-    for la in spec.layers:
-        n = 2 * la.cache.num_kv_heads * la.cache.head_size
-        for b in la.bindings:
-            plain = model_bits is not None and b.cache.kv_cache_dtype == "auto"
-            per_token = n * model_bits if plain else 8 * b.cache.bytes_per_token
-            group = spec.groups[b.group]
-            if group.bounded:  # holds only its window (and sink tokens) of each sequence
-                held = min(b.cache.window + group.sink_tokens, AMORTIZE_CONTEXT)
-                per_token = per_token * held / AMORTIZE_CONTEXT
-            bits += per_token
-        elems += n
-    return bits / elems
+    bits = sum(layer_bits(spec, la, model_bits) for la in spec.layers)
+    elems = sum(2 * la.cache.num_kv_heads * la.cache.head_size for la in spec.layers)
+    return float(bits / elems)
+
+
+def layer_bits(spec: ModelSpec, la, model_bits: int | None = None) -> Fraction:
+    """Bits per token one layer stores, exactly, as :func:`bits_per_element` counts them."""
+    n = 2 * la.cache.num_kv_heads * la.cache.head_size
+    bits = Fraction(0)
+    for b in la.bindings:
+        plain = model_bits is not None and b.cache.kv_cache_dtype == "auto"
+        per_token = Fraction(n * model_bits if plain else 8 * b.cache.bytes_per_token)
+        group = spec.groups[b.group]
+        if group.bounded:  # holds only its window (and sink tokens) of each sequence
+            held = min(b.cache.window + group.sink_tokens, AMORTIZE_CONTEXT)
+            per_token = per_token * held / AMORTIZE_CONTEXT
+        bits += per_token
+    return bits
 
 
 @dataclass
@@ -98,6 +120,12 @@ class Run:
             "recent_window": self.spec.recent_window,
             "sink_tokens": self.spec.sink_tokens,
             "key_transform": self.spec.request.get("key_transform", "none"),
+            "kv_layers": self.spec.request.get("kv_layers"),
+            **(
+                {"kv_bits": self.config.kv_bits, "predicted_kl": self.config.predicted_kl}
+                if self.config and self.config.kv_bits is not None
+                else {}
+            ),  # fmt: skip
             "layer_dtypes": [la.kv_cache_dtype for la in self.spec.layers],
             "quantized_dtypes": quantized,
             "bits_per_element": bits_per_element(self.spec, 16),
@@ -163,14 +191,9 @@ def evaluate(
     if is_dir:
         runs.append(Run(None, art.spec, _executor(art.spec, "ort", chunk, art.path), "ort"))
     for c in configs:
-        if c.kv_cache_dtype == "auto" and not c.skip_layers:
+        if c.kv_cache_dtype == "auto" and not c.skip_layers and not c.kv_layers:
             continue  # the baseline itself
-        opts = BuildOptions(
-            c.kv_cache_dtype, list(c.skip_layers), c.boundary, recent_window=c.recent_window,
-            sink_tokens=c.sink_tokens,
-            kv_scales=c.kv_scales, key_transform=c.key_transform,
-        )  # fmt: skip
-        spec, _ = resolve_spec(model_name, lm, opts)
+        spec, _ = resolve_spec(model_name, lm, c.build_options())
         runs.append(Run(c, spec, _executor(spec, "torch", chunk, lm=lm), "torch"))
     for i, ids in enumerate(chunks):
         ref = base.executor.score(ids)

@@ -49,6 +49,7 @@ class BuildOptions:
     kv_scales: str = "1.0"  # a number, or "calibrate"
     calibration_text: Path | None = None
     key_transform: str = transforms.NONE  # kinds joined by "+", see kvquant.transforms
+    kv_layers: str | None = None  # per-layer caches, see tqexport.kv_layers
 
 
 @dataclass
@@ -208,6 +209,7 @@ def check_options(model: str, options: BuildOptions):
         recent_window=options.recent_window,
         sink_tokens=options.sink_tokens,
         key_transform=kinds,
+        kv_layers=options.kv_layers,
     )
 
 
@@ -226,6 +228,7 @@ def resolve_spec(
         recent_window=options.recent_window,
         sink_tokens=options.sink_tokens,
         key_transform=kinds,
+        kv_layers=options.kv_layers,
     )
     own_text = None
     if options.calibration_text is not None:

@@ -1,0 +1,183 @@
+"""``tqexport calibrate`` (the per-layer cost table) and ``--kv-bits`` (the knapsack over it)."""
+
+import itertools
+import json
+from fractions import Fraction
+
+import pytest
+from helpers import dense
+from test_cli import main_inproc
+
+from tqexport import calibration as cal
+from tqexport.errors import TQExportError
+from tqexport.kv_budget import as_kv_layers, candidate_bits, choose, layer_elements
+from tqexport.models.config import describe_model
+from tqexport.resolve import resolve
+
+
+def table_for(desc, candidates, cost):
+    return cal.Table(desc.identity(), {"name": "t"}, tuple(candidates), tuple(map(tuple, cost)),
+                     1.0, 0.0)  # fmt: skip
+
+
+def test_candidate_bits_are_the_bench_all_in_bits_of_each_layer():
+    desc = dense(3, head_size=64, dtype="float32")
+    bits = candidate_bits(desc, ("fp8", "tqx_k4v2_mse:w24:s8"))
+    n = 2 * 2 * 64  # K and V elements per token of a layer: 2 kv heads of 64
+    # auto counted at 16 bits, fp8 at 8, tqx_k4v2_mse 52 bytes per token-head + 32 exact tokens
+    # of 16 bits amortized over 4096
+    want = [16 * n, 8 * n, 8 * 52 * 2 + Fraction(16 * n * 32, 4096)]
+    assert bits == [want] * 3
+    assert float(want[2] / n) == 3.375
+
+
+def test_choose_is_the_exact_optimum_of_the_knapsack():
+    desc = dense(4, dtype="float32")
+    cands = ("fp8", "tqx_k4v4", "tqx_k4v2_mse", "tqx_k4v2_mse:w24:s8")
+    cost = [[0.3, 1.0, 4.0, 2.0], [0.1, 0.2, 0.5, 0.4], [0.2, 3.0, 9.0, 1.0], [0.05, 0.1, 0.3, 0.2]]
+    table = table_for(desc, cands, cost)
+    bits = candidate_bits(desc, cands)
+    elems = sum(layer_elements(desc))
+    for budget in (3.25, 3.3, 3.5, 4.0, 4.5, 6.0, 9.0, 16.0):
+        best = None
+        for picks in itertools.product(range(5), repeat=4):
+            b = sum(bits[i][j] for i, j in enumerate(picks))
+            c = sum(([0.0, *cost[i]])[j] for i, j in enumerate(picks))
+            if b <= Fraction(budget) * elems and (best is None or c < best[0] - 1e-12):
+                best = (c, picks)
+        got = choose(desc, table, budget)
+        assert got.predicted_cost == pytest.approx(best[0], abs=1e-12), budget
+        assert got.bits_per_element <= Fraction(budget)
+    assert choose(desc, table, 16.0).kv_layers == "0-3:auto"
+    assert choose(desc, table, 3.25).kv_layers == "0-3:tqx_k4v2_mse"
+
+
+def test_a_budget_below_every_candidate_is_one_error():
+    desc = dense(2, dtype="float32")
+    table = table_for(desc, ("fp8",), [[0.1], [0.1]])
+    with pytest.raises(TQExportError, match=r"^--kv-bits 4 is below the fewest bits the table's "
+                       r"candidates reach \(8.0000 per element\); give at least that"):  # fmt: skip
+        choose(desc, table, 4)
+
+
+def test_as_kv_layers_joins_runs():
+    assert as_kv_layers(("auto", "auto", "fp8", "tqx_k4v4:w8", "fp8")) == (
+        "0-1:auto,2:fp8,3:tqx_k4v4:w8,4:fp8"
+    )
+    spec = resolve(dense(5), "auto", kv_layers="0-1:auto,2:fp8,3:tqx_k4v4:w8,4:fp8").spec
+    assert [la.kv_cache_dtype for la in spec.layers][2:] == ["fp8", "tqx_k4v4", "fp8"]
+
+
+def test_calibrate_writes_a_table_that_kv_bits_reads(tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    code, stdout, _ = main_inproc(capsys, "calibrate", "tiny-llama", "-o", out, "--candidates",
+                                  "fp8,tqx_k4v4:w4", "--tokens", "24")  # fmt: skip
+    assert code == 0, stdout
+    d = json.loads(out.read_text())
+    desc = describe_model("tiny-llama")
+    assert (d["format"], d["version"], d["model"]) == ("tqexport-kv-calibration", 1,
+                                                       desc.identity())  # fmt: skip
+    assert d["candidates"] == ["fp8", "tqx_k4v4:w4"]
+    assert d["text"]["tokens"] == 24 and len(d["text"]["sha256"]) == 64
+    assert len(d["cost"]) == 6 and all(len(r) == 2 and min(r) >= 0 for r in d["cost"])
+    assert d["elapsed_seconds"] > 0
+    assert "6 layers x 2 candidates on 24 tokens" in stdout
+    table = cal.read_table(out)
+    choice = choose(desc, table, 8.0)
+    code, stdout, err = main_inproc(capsys, "plan", "tiny-llama", "--kv-bits", "8",
+                                    "--calibration", out, "--json")  # fmt: skip
+    assert code == 0
+    layers = json.loads(stdout)["layers"]
+    assert [la["kv_cache_dtype"] for la in layers] == [c.split(":")[0] for c in choice.candidates]
+    assert f"--kv-bits 8 chose --kv-layers {choice.kv_layers}: " in err
+
+
+def test_calibration_measures_only_the_changed_layer():
+    """Skipping the unchanged layers reproduces the baseline exactly (auto: KL 0), and a
+    quantized layer costs something."""
+    from tqexport.bench.metrics import Totals
+    from tqexport.calibration_sim import LayerSimulation
+    from tqexport.models.loader import load_model
+
+    lm = load_model("tiny-llama", "float32")
+    ids = list(range(3, 40))
+    sim = LayerSimulation(lm, ids)
+    for layer in (0, 3, 5):
+        assert sim.logits(layer, "auto", 0, 0).equal(sim.baseline)
+        t = Totals()
+        t.add(sim.logits(layer, "tqx_k4v2_mse", 0, 0), ids, sim.baseline)
+        assert t.summary()["kl"] > 0
+    # a window over every token keeps the layer exact
+    assert sim.logits(2, "tqx_k4v2_mse", len(ids), 0).equal(sim.baseline)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["plan", "tiny-llama", "--kv-bits", "4", "--kv-layers", "0:fp8"],
+         "--kv-bits 4 chooses every layer's dtype, window and sinks, so --kv-layers has no "
+         "effect; drop one of them"),
+        (["plan", "tiny-llama", "--kv-bits", "4", "--kv-recent-window", "8"],
+         "--kv-bits 4 chooses every layer's dtype, window and sinks, so --kv-recent-window has "
+         "no effect; drop one of them"),
+        (["build", "tiny-llama", "-o", "x", "--kv-bits", "4", "--kv-cache-dtype", "fp8"],
+         "--kv-bits 4 chooses every layer's dtype, window and sinks, so --kv-cache-dtype has no "
+         "effect; drop one of them"),
+        (["plan", "tiny-llama", "--kv-bits", "0"], "--kv-bits must be > 0 and <= 16, got 0"),
+        (["plan", "tiny-llama", "--calibration", "x.json"],
+         "--calibration is read only by --kv-bits; add --kv-bits or drop it"),
+        (["plan", "tiny-llama", "--kv-bits", "4", "--calibration", "x.json"],
+         "--calibration x.json not found"),
+        (["calibrate", "tiny-llama", "-o", "x.json", "--candidates", "auto"],
+         "--candidates: auto is always a candidate (cost 0); drop it"),
+        (["calibrate", "tiny-llama", "-o", "x.json", "--candidates", "fp8,fp9"],
+         "--kv-layers 0:fp9: unknown kv-cache dtype 'fp9'"),
+        (["calibrate", "tiny-llama", "-o", "x.json", "--tokens", "1"],
+         "--tokens must be from 2 to 32768, got 1"),
+    ],
+)  # fmt: skip
+def test_kv_bits_and_calibrate_refuse_bad_input_in_one_line(capsys, monkeypatch, tmp_path, args,
+                                                            message):  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    code, out, err = main_inproc(capsys, *args)
+    assert (code, out) == (2, "")
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_table_of_another_model_or_a_damaged_one_is_refused(tmp_path):
+    desc = dense(2, dtype="float32")
+    path = tmp_path / "t.json"
+    table_for(desc, ("fp8",), [[0.1], [0.2]]).write(path)
+    assert cal.read_table(path).cost == ((0.1,), (0.2,))
+    with pytest.raises(TQExportError, match="measured on 'test-model', not on 'smollm2'"):
+        cal.check_fits(cal.read_table(path), describe_model("smollm2"), path)
+    d = json.loads(path.read_text())
+    d["cost"][1] = [-1.0]
+    path.write_text(json.dumps(d))
+    with pytest.raises(TQExportError, match="is not a `tqexport calibrate` table \\(a cost is "
+                       "negative or not finite\\)"):  # fmt: skip
+        cal.read_table(path)
+    path.write_text("{")
+    with pytest.raises(TQExportError, match=r"not a `tqexport calibrate` table \(not JSON\)"):
+        cal.read_table(path)
+
+
+def test_bench_quality_kv_bits_scores_the_chosen_plan_with_its_prediction(tmp_path, monkeypatch):
+    from tqexport.bench import commands
+
+    desc = describe_model("tiny-llama")
+    path = tmp_path / "t.json"
+    cost = [[0.1 * (i + 1), 0.5 * (i + 1)] for i in range(6)]
+    table_for(desc, ("fp8", "tqx_k4v4"), cost).write(path)
+    said = []
+    monkeypatch.setattr(commands, "_say", said.append)
+    configs = commands._budget_configs("tiny-llama", "8,6", path, {"--kv-layers": None})
+    want = [choose(desc, cal.read_table(path), b) for b in (8, 6)]
+    assert [(c.label, c.kv_layers, c.predicted_kl) for c in configs] == [
+        (f"kv-bits {b}", w.kv_layers, w.predicted_cost) for b, w in zip((8, 6), want)
+    ]
+    assert configs[0].kv_layers == "0-5:fp8"
+    want = "^--kv-bits 8 chooses every layer's dtype, window and sinks, so --recent-window has "
+    with pytest.raises(TQExportError, match=want + "no effect; drop one of them$"):
+        commands._budget_configs("tiny-llama", "8", path, {"--recent-window": True})

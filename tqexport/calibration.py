@@ -1,0 +1,213 @@
+"""``tqexport calibrate``: what each cache candidate costs in each layer, measured.
+
+A candidate is a ``--kv-layers`` entry without its range (``DTYPE[:wN][:sN]``). Its cost in a
+layer is the mean KL(baseline || run) of the next-token distributions over the calibration
+tokens when only that layer takes it (every other layer ``auto``), scored through the paged
+caches like ``bench quality``. Default text: the held-out pydoc topics the key transforms fit on
+(:func:`~tqexport.export.artifact.held_out_calibration_text`), which the evaluation windows
+never see.
+
+The table file (JSON, ``format`` ``tqexport-kv-calibration``, ``version`` 1)::
+
+    {"format": "tqexport-kv-calibration", "version": 1,
+     "model": {...ModelDescription.identity()...},
+     "text": {"name": str, "sha256": str, "characters": int, "tokens": int},
+     "candidates": ["tqx_k4v2_mse:w24:s8", ...],        # "auto" is implicit: cost 0
+     "cost": [[float per candidate] per layer],          # mean KL in nats per prediction
+     "baseline_ppl": float, "elapsed_seconds": float}
+
+The bits each candidate takes are not stored: they follow from the model and the candidate
+(:func:`layer_bits`), so a table never disagrees with the codecs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+from tqexport.errors import TQExportError
+from tqexport.kv_layers import parse_kv_layers
+
+FORMAT, VERSION = "tqexport-kv-calibration", 1
+#: the candidates measured unless asked otherwise: 3 to 8 bits per element all in
+DEFAULT_CANDIDATES = (
+    "fp8",
+    "tqx_k4v4:w24:s8",
+    "tqx_k4v3_mse:w24:s8",
+    "tqx_k4v2_mse:w24:s8",
+    "tqx_k4v2_mse:w56:s8",
+    "tqx_k4v2_mse",
+    "tqx_k3v3:w24:s8",
+)
+#: calibration tokens scored per candidate and layer (one window from an empty cache)
+DEFAULT_TOKENS = 512
+#: the most calibration tokens (one window from an empty cache)
+MAX_TOKENS = 2**15
+
+
+def parse_candidates(text: str) -> tuple[str, ...]:
+    """'a,b:w8' -> canonical candidates, each checked as a --kv-layers entry (auto refused: it
+    is always a candidate, at cost 0)."""
+    out = []
+    for part in [p.strip() for p in text.split(",")]:
+        if not part:
+            raise TQExportError(f"--candidates {text!r} has an empty value; separate by commas")
+        r = parse_kv_layers(f"0:{part}")[0]
+        if r.dtype == "auto":
+            raise TQExportError("--candidates: auto is always a candidate (cost 0); drop it")
+        out.append(r.text.split(":", 1)[1])
+    if len(set(out)) != len(out):
+        raise TQExportError(f"--candidates {text!r} names a candidate twice; give each once")
+    return tuple(out)
+
+
+def layer_bits(spec, pos: int) -> Fraction:
+    """Bits per token that layer ``pos`` of ``spec`` stores, all in (exact): its cache, and its
+    recent window amortized as ``bench quality`` counts it (unquantized storage at 16 bits)."""
+    from tqexport.bench.quality import layer_bits as bench_layer_bits
+
+    return bench_layer_bits(spec, spec.layers[pos], 16)
+
+
+def layer_elements(spec, pos: int) -> int:
+    """K and V elements per token of layer ``pos`` (the denominator of bits per element)."""
+    c = spec.layers[pos].cache
+    return 2 * c.num_kv_heads * c.head_size
+
+
+@dataclass(frozen=True)
+class Table:
+    """A calibration table (see the module docstring for the file format)."""
+
+    model: dict
+    text: dict
+    candidates: tuple[str, ...]
+    cost: tuple[tuple[float, ...], ...]
+    baseline_ppl: float
+    elapsed_seconds: float
+
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "model": self.model,
+            "text": self.text,
+            "candidates": list(self.candidates),
+            "cost": [list(row) for row in self.cost],
+            "baseline_ppl": self.baseline_ppl,
+            "elapsed_seconds": self.elapsed_seconds,
+        }
+
+    def write(self, path: Path) -> None:
+        """Written to a sibling first and renamed: never a half-written table."""
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+            tmp.replace(path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise TQExportError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def read_table(path: Path, option: str = "--calibration") -> Table:
+    """A table file, checked: one error naming the file and what is wrong."""
+    bad = f"{option} {path} is not a `tqexport calibrate` table"
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise TQExportError(f"{option} {path} not found") from None
+    except (OSError, ValueError, UnicodeDecodeError):
+        raise TQExportError(f"{bad} (not JSON)") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT or d.get("version") != VERSION:
+        raise TQExportError(f"{bad} (format {FORMAT!r} version {VERSION} expected)")
+    try:
+        cands = parse_candidates(",".join(d["candidates"]))
+        cost = tuple(tuple(float(x) for x in row) for row in d["cost"])
+        model, text = dict(d["model"]), dict(d["text"])
+        ppl, secs = float(d["baseline_ppl"]), float(d["elapsed_seconds"])
+    except (KeyError, TypeError, ValueError, TQExportError) as e:
+        raise TQExportError(f"{bad} ({e})") from None
+    if len(cost) != model.get("num_layers") or any(len(r) != len(cands) for r in cost):
+        raise TQExportError(f"{bad} (cost is not one row per layer, one column per candidate)")
+    if not all(math.isfinite(x) and x >= 0 for row in cost for x in row):
+        raise TQExportError(f"{bad} (a cost is negative or not finite)")
+    return Table(model, text, cands, cost, ppl, secs)
+
+
+def check_fits(table: Table, desc, path) -> None:
+    """The table must be of this model (its config digest and layer count)."""
+    ours = desc.identity()
+    for key in ("config_digest", "num_layers"):
+        if table.model.get(key) != ours[key]:
+            raise TQExportError(
+                f"--calibration {path} was measured on {table.model.get('name')!r}, not on "
+                f"{desc.name!r} ({key} differs); run `tqexport calibrate` on this model"
+            )
+
+
+def text_identity(name: str, text: str, tokens: int) -> dict:
+    return {
+        "name": name,
+        "sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "characters": len(text),
+        "tokens": tokens,
+    }
+
+
+def measure(
+    model: str,
+    candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
+    text_file: Path | None = None,
+    tokens: int = DEFAULT_TOKENS,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+) -> Table:
+    """Score every (layer, candidate) with only that layer changed against the baseline."""
+    from tqexport import validate
+    from tqexport.bench.metrics import Totals
+    from tqexport.calibration_sim import LayerSimulation
+    from tqexport.export.artifact import _tokens, held_out_calibration_text
+    from tqexport.models.loader import load_model
+    from tqexport.resolve import resolve
+
+    start = time.monotonic()
+    if text_file is not None:
+        name, text = str(text_file), validate.text_file(text_file, "--calibration-text")
+    else:
+        name = "held-out pydoc topics (the default of --kv-key-transform's calibration)"
+        text = held_out_calibration_text()
+    lm = load_model(model, "float32")
+    if lm.tokenizer is not None:
+        ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
+    else:  # a tiny random built-in: its bytes, as the key transforms' calibration reads them
+        ids = _tokens(lm, resolve(lm.description, "auto").spec, text, tokens)
+    if len(ids) < 2:
+        raise TQExportError(f"the calibration text has {len(ids)} tokens; give a longer one")
+    sim = LayerSimulation(lm, ids)
+    totals = Totals()
+    totals.add(sim.baseline, ids)
+    entries = [parse_kv_layers(f"0:{c}")[0] for c in candidates]
+    n = len(lm.description.layers)
+    cost = []
+    for pos in range(n):
+        row = []
+        for j, e in enumerate(entries):
+            run = Totals()
+            run.add(sim.logits(pos, e.dtype, e.recent_window or 0, e.sink_tokens or 0), ids,
+                    sim.baseline)  # fmt: skip
+            row.append(max(run.summary()["kl"], 0.0))
+            progress(pos * len(entries) + j + 1, n * len(entries))
+        cost.append(tuple(row))
+    return Table(
+        lm.description.identity(),
+        text_identity(name, text, len(ids)),
+        tuple(candidates),
+        tuple(cost),
+        totals.summary()["ppl"],
+        round(time.monotonic() - start, 1),
+    )

@@ -1,0 +1,103 @@
+"""One layer's cache simulated in an unpaged forward: the cheap measurement ``calibrate`` uses.
+
+The model runs with an attention function that, in one chosen layer, reads its keys and values
+round-tripped through that layer's candidate codec (encoded, then decoded), except the recent
+window (``p - j < W``) and the first S tokens, which stay exact, as the paged caches hold them;
+every other layer attends exactly. Layers before the chosen one do not change, so their output
+is kept from the baseline pass and only the chosen layer and those after it run again.
+(``benchmarks/quantizer_sim.py`` showed this reproduces ``bench quality``'s perplexities.)
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+
+from tqexport.errors import TQExportError
+from tqexport.kvquant.codecs import make_codec
+
+NAME = "tqexport_calibrate"
+#: query rows per score block (bounds the [heads, rows, T] score matrix)
+ROWS = 1024
+
+
+class LayerSimulation:
+    """Baseline logits of ``ids`` and, per (layer, dtype, window, sinks), the logits with only
+    that layer's cache quantized."""
+
+    def __init__(self, lm, ids: list[int]):
+        desc = lm.description
+        if any(la.window is not None or la.softcap for la in desc.layers):
+            raise TQExportError(
+                f"calibrate measures full-attention layers without a softcap; {desc.name} has "
+                "sliding-window or softcapped layers"
+            )
+        core = getattr(lm.model, "model", None)
+        if core is None or not hasattr(core, "layers") or not hasattr(lm.model, "lm_head"):
+            raise TQExportError(f"calibrate needs a decoder with .model.layers; {desc.name} is "
+                                f"{desc.architecture}")  # fmt: skip
+        self.model, self.core = lm.model.eval(), core
+        self.ids = torch.tensor([ids])
+        self.head_size = desc.layers[0].head_size
+        self.active: tuple | None = None  # (layer, codec, window, sinks)
+        AttentionInterface.register(NAME, self._attention)
+        for m in self.model.modules():
+            if hasattr(m, "config"):
+                m.config._attn_implementation = NAME
+        self.inputs: list[tuple] = []
+        hooks = [
+            layer.register_forward_pre_hook(self._keep, with_kwargs=True) for layer in core.layers
+        ]
+        try:
+            with torch.no_grad():
+                self.baseline = self.model(self.ids, use_cache=False).logits[0]
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def _keep(self, module, args, kwargs):
+        self.inputs.append((args, kwargs))
+
+    def logits(self, layer: int, dtype: str, window: int, sinks: int) -> torch.Tensor:
+        codec = make_codec(dtype, self.head_size, model_dtype="float32")
+        self.active = (layer, codec, window, sinks)
+        try:
+            with torch.no_grad():
+                args, kwargs = self.inputs[layer]
+                h = args[0] if args else kwargs["hidden_states"]
+                rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+                for block in self.core.layers[layer:]:
+                    out = block(h, **rest)
+                    h = out[0] if isinstance(out, tuple) else out
+                logits = self.model.lm_head(self.core.norm(h))
+        finally:
+            self.active = None
+        return logits[0]
+
+    def _attention(self, module, query, key, value, attention_mask, scaling=None, **kw):
+        q = query[0]  # [H, T, D]
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, D]
+        window = sinks = 0
+        if self.active is not None and module.layer_idx == self.active[0]:
+            _, codec, window, sinks = self.active
+            kq, vq = codec.decode(codec.encode(k, v))
+        else:
+            kq, vq = k, v
+            window = k.shape[0]  # every entry exact
+        groups = q.shape[0] // k.shape[1]
+
+        def heads(x):
+            return x.permute(1, 0, 2).repeat_interleave(groups, 0)
+
+        kh, vh, kqh, vqh = heads(k), heads(v), heads(kq), heads(vq)
+        out = torch.empty_like(q)
+        pos = torch.arange(q.shape[1])
+        scale = scaling if scaling is not None else self.head_size**-0.5
+        for a in range(0, q.shape[1], ROWS):
+            b = min(q.shape[1], a + ROWS)
+            p, j = pos[a:b, None], pos[None, :]
+            exact = (p - j < window) | (j < sinks)
+            s = torch.where(exact, q[:, a:b] @ kh.transpose(1, 2), q[:, a:b] @ kqh.transpose(1, 2))
+            pr = torch.softmax((s * scale).masked_fill(j > p, float("-inf")), -1)
+            out[:, a:b] = (pr * exact) @ vh + (pr * ~exact) @ vqh
+        return out.transpose(0, 1).unsqueeze(0), None

@@ -1,0 +1,122 @@
+"""``--kv-bits B``: each layer's cache chosen from a calibration table under a bits budget.
+
+A knapsack solved exactly: dynamic programming over the layers, each state a (bits, predicted
+cost) pair of a partial plan, keeping only the Pareto front (fewer bits or less cost). Bits are
+exact (:class:`fractions.Fraction`): every candidate's all-in bits per token of each layer, as
+``bench quality`` counts them (unquantized storage at 16 bits, recent windows amortized over
+4096 tokens); the predicted cost of a plan is the sum of its layers' measured costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+from tqexport.errors import TQExportError
+
+UNQUANTIZED = "auto"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chosen plan: each layer's candidate, as ``--kv-layers``, and what it predicts."""
+
+    candidates: tuple[str, ...]  # per layer position
+    kv_layers: str
+    predicted_cost: float
+    bits_per_element: Fraction
+
+
+def candidate_bits(desc, candidates) -> list[list[Fraction]]:
+    """[layer][candidate] bits per token, exact; candidate 0 is ``auto``."""
+    from tqexport.bench.quality import layer_bits
+    from tqexport.resolve import resolve
+
+    last = len(desc.layers) - 1
+    out = [[] for _ in desc.layers]
+    for c in (UNQUANTIZED, *candidates):
+        spec = resolve(desc, "auto", kv_layers=f"0-{last}:{c}").spec
+        for pos, la in enumerate(spec.layers):
+            out[pos].append(layer_bits(spec, la, 16))
+    return out
+
+
+def layer_elements(desc) -> list[int]:
+    return [2 * la.num_kv_heads * la.head_size for la in desc.layers]
+
+
+def choose(desc, table, budget: float) -> Choice:
+    """The plan of least predicted cost whose bits per element, all in, are at most ``budget``."""
+    names = (UNQUANTIZED, *table.candidates)
+    bits = candidate_bits(desc, table.candidates)
+    cost = [(0.0, *row) for row in table.cost]
+    limit = Fraction(budget) * sum(layer_elements(desc))
+    front: list[tuple[Fraction, float, tuple[int, ...]]] = [(Fraction(0), 0.0, ())]
+    for pos in range(len(bits)):
+        grown = sorted(
+            (b + bits[pos][j], c + cost[pos][j], picks + (j,))
+            for b, c, picks in front
+            for j in range(len(names))
+        )
+        front = []
+        for state in grown:  # ascending bits: keep a state only if it costs less than all before
+            if not front or state[1] < front[-1][1]:
+                front.append(state)
+        rest = sum(min(row) for row in bits[pos + 1 :])
+        front = [s for s in front if s[0] + rest <= limit]
+        if not front:
+            least = sum(min(row) for row in bits) / sum(layer_elements(desc))
+            raise TQExportError(
+                f"--kv-bits {budget:g} is below the fewest bits the table's candidates reach "
+                f"({float(least):.4f} per element); give at least that, or calibrate cheaper "
+                "candidates"
+            )
+    total, predicted, picks = front[-1]
+    chosen = tuple(names[j] for j in picks)
+    return Choice(chosen, as_kv_layers(chosen), predicted, total / sum(layer_elements(desc)))
+
+
+def as_kv_layers(chosen: tuple[str, ...]) -> str:
+    """Per-layer candidates -> the shortest ``--kv-layers`` text (runs of one candidate)."""
+    runs: list[tuple[int, int, str]] = []
+    for pos, c in enumerate(chosen):
+        if runs and runs[-1][2] == c:
+            runs[-1] = (runs[-1][0], pos, c)
+        else:
+            runs.append((pos, pos, c))
+    return ",".join(f"{a}-{b}:{c}" if a != b else f"{a}:{c}" for a, b, c in runs)
+
+
+def check_budget(kv_bits: float) -> float:
+    from tqexport import validate
+
+    return validate.number(kv_bits, "--kv-bits", above=0.0, maximum=16.0)
+
+
+def conflicts(kv_bits, given: dict[str, bool]) -> None:
+    """``--kv-bits`` chooses every layer's cache: an option that would too is refused
+    (``given`` maps flag -> whether it was given)."""
+    for flag, was in given.items():
+        if was:
+            raise TQExportError(
+                f"--kv-bits {kv_bits} chooses every layer's dtype, window and sinks, so "
+                f"{flag} has no effect; drop one of them"
+            )
+
+
+def budget_plan(model: str, desc, kv_bits: float, calibration, say) -> tuple[Choice, object]:
+    """The chosen plan and its table: read from ``calibration``, or measured now (said)."""
+    from tqexport import calibration as cal
+
+    if calibration is not None:
+        table = cal.read_table(calibration)
+        cal.check_fits(table, desc, calibration)
+        where = f"{calibration} (measured in {table.elapsed_seconds:.0f} s)"
+    else:
+        say(f"--kv-bits {kv_bits:g}: no --calibration, measuring the costs now (`tqexport "
+            "calibrate MODEL -o FILE` keeps them for the next run)")  # fmt: skip
+        table = cal.measure(model)
+        where = f"measured now in {table.elapsed_seconds:.0f} s"
+    choice = choose(desc, table, kv_bits)
+    say(f"--kv-bits {kv_bits:g}: {len(table.candidates)} candidates' costs from {where}")
+    return choice, table
