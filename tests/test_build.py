@@ -62,6 +62,22 @@ def test_graph_shape_per_layer(artifacts):
     assert {name for name, _ in fns} == {"CacheWrite", "PagedAttention"}
 
 
+def test_default_calibration_text_is_not_the_evaluation_text(tmp_path, monkeypatch):
+    # --kv-scales calibrate fits on held-out topics: none of the text bench quality scores
+    from tqexport.bench.evaltext import pydoc_topics
+    from tqexport.export import artifact
+
+    seen = []
+    real = artifact.calibrate_scales
+    monkeypatch.setattr(artifact, "calibrate_scales", lambda lm, spec, text: seen.append(text)
+                        or real(lm, spec, text))  # fmt: skip
+    build_artifact("tiny-llama", tmp_path / "a", BuildOptions(kv_cache_dtype="fp8",
+                                                              kv_scales="calibrate"))  # fmt: skip
+    scored = pydoc_topics().text[:200_000]  # far beyond the longest evaluation run's tokens
+    assert len(seen) == 1 and len(seen[0]) >= 24000
+    assert not any(part in scored for part in seen[0].split("\n\n") if len(part) > 200)
+
+
 def test_calibrated_scales_land_in_spec_and_nodes(artifacts):
     # two fp8 layers: each calibrated layer is a body variant of its own (its scales are baked in)
     art = open_artifact(artifacts("tiny-llama", "fp8", ("0-3",), kv_scales="calibrate"))

@@ -77,17 +77,10 @@ def parse_kv_scales(value: str) -> float | None:
     return scale
 
 
-def default_calibration_text() -> str:
-    """English text that ships with every Python: the first pydoc topics, joined."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics)[:8])
-
-
 def held_out_calibration_text(min_chars: int = 24000) -> str:
-    """English text for key-transform calibration: pydoc topics from the END of the sorted
-    keys (at least ``min_chars``), so it shares nothing with the start of the evaluation text
-    that ``bench quality`` scores."""
+    """The default calibration text (scales, key transforms, ``calibrate``): pydoc topics from
+    the END of the sorted keys (at least ``min_chars``), so it shares nothing with the start of
+    the evaluation text that ``bench quality`` scores."""
     from pydoc_data.topics import topics
 
     picked: list[str] = []
@@ -237,7 +230,7 @@ def resolve_spec(
     scales = fitted = None
     if fixed_scale is None:
         progress("calibrate")
-        scales = calibrate_scales(lm, plain.spec, own_text or default_calibration_text())
+        scales = calibrate_scales(lm, plain.spec, own_text or held_out_calibration_text())
     elif fixed_scale != 1.0:
         scales = {la.index: (fixed_scale, fixed_scale) for la in lm.description.layers}
     if kinds:
