@@ -24,6 +24,7 @@ import torch
 from transformers import AttentionInterface
 
 from tqexport.bench.evaltext import pydoc_topics
+from tqexport.calibration_sim import mixed_attention
 from tqexport.export.artifact import held_out_calibration_text, key_statistics
 from tqexport.kvquant import turboquant as tq
 from tqexport.kvquant.codecs import make_codec
@@ -114,21 +115,7 @@ class Simulation:
             k = k - c["center"]
         kq = c["keys"](k) if c.get("keys") else k
         vq = c["values"](v, layer) if c.get("values") else v
-        groups = q.shape[0] // k.shape[1]
-
-        def heads(x):
-            return x.permute(1, 0, 2).repeat_interleave(groups, 0)
-
-        kh, vh, kqh, vqh = heads(k), heads(v), heads(kq), heads(vq)
-        out = torch.empty_like(q)
-        pos = torch.arange(q.shape[1])
-        for a in range(0, q.shape[1], 1024):
-            b = min(q.shape[1], a + 1024)
-            p, j = pos[a:b, None], pos[None, :]
-            exact = (p - j < c.get("recent", 0)) | (j < c.get("sink", 0))
-            s = torch.where(exact, q[:, a:b] @ kh.transpose(1, 2), q[:, a:b] @ kqh.transpose(1, 2))
-            pr = torch.softmax((s * scaling).masked_fill(j > p, float("-inf")), -1)
-            out[:, a:b] = (pr * exact) @ vh + (pr * ~exact) @ vqh
+        out = mixed_attention(q, k, v, kq, vq, c.get("recent", 0), c.get("sink", 0), scaling)
         return out.transpose(0, 1).unsqueeze(0), None
 
     def _forward(self, ids):

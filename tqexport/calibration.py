@@ -2,8 +2,9 @@
 
 A candidate is a ``--kv-layers`` entry without its range (``DTYPE[:wN][:sN]``). Its cost in a
 layer is the mean KL(baseline || run) of the next-token distributions over the calibration
-tokens when only that layer takes it (every other layer ``auto``), scored through the paged
-caches like ``bench quality``. Default text: the held-out pydoc topics the key transforms fit on
+tokens when only that layer takes it (every other layer ``auto``), scored in an unpaged forward
+whose chosen layer reads what its paged cache would hold (:mod:`tqexport.calibration_sim`).
+Default text: the held-out pydoc topics the key transforms fit on
 (:func:`~tqexport.export.artifact.held_out_calibration_text`), which the evaluation windows
 never see.
 

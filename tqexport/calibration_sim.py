@@ -84,20 +84,28 @@ class LayerSimulation:
         else:
             kq, vq = k, v
             window = k.shape[0]  # every entry exact
-        groups = q.shape[0] // k.shape[1]
-
-        def heads(x):
-            return x.permute(1, 0, 2).repeat_interleave(groups, 0)
-
-        kh, vh, kqh, vqh = heads(k), heads(v), heads(kq), heads(vq)
-        out = torch.empty_like(q)
-        pos = torch.arange(q.shape[1])
         scale = scaling if scaling is not None else self.head_size**-0.5
-        for a in range(0, q.shape[1], ROWS):
-            b = min(q.shape[1], a + ROWS)
-            p, j = pos[a:b, None], pos[None, :]
-            exact = (p - j < window) | (j < sinks)
-            s = torch.where(exact, q[:, a:b] @ kh.transpose(1, 2), q[:, a:b] @ kqh.transpose(1, 2))
-            pr = torch.softmax((s * scale).masked_fill(j > p, float("-inf")), -1)
-            out[:, a:b] = (pr * exact) @ vh + (pr * ~exact) @ vqh
+        out = mixed_attention(q, k, v, kq, vq, window, sinks, scale)
         return out.transpose(0, 1).unsqueeze(0), None
+
+
+def mixed_attention(q, k, v, kq, vq, window: int, sinks: int, scale: float) -> torch.Tensor:
+    """Causal attention of ``q`` [H, T, D] that reads exact ``k``/``v`` [T, KVH, D] where the
+    paged caches keep them (``p - j < window`` or ``j < sinks``) and ``kq``/``vq`` elsewhere,
+    in blocks of ``ROWS`` query rows; [H, T, D]."""
+    groups = q.shape[0] // k.shape[1]
+
+    def heads(x):
+        return x.permute(1, 0, 2).repeat_interleave(groups, 0)
+
+    kh, vh, kqh, vqh = heads(k), heads(v), heads(kq), heads(vq)
+    out = torch.empty_like(q)
+    pos = torch.arange(q.shape[1])
+    for a in range(0, q.shape[1], ROWS):
+        b = min(q.shape[1], a + ROWS)
+        p, j = pos[a:b, None], pos[None, :]
+        exact = (p - j < window) | (j < sinks)
+        s = torch.where(exact, q[:, a:b] @ kh.transpose(1, 2), q[:, a:b] @ kqh.transpose(1, 2))
+        pr = torch.softmax((s * scale).masked_fill(j > p, float("-inf")), -1)
+        out[:, a:b] = (pr * exact) @ vh + (pr * ~exact) @ vqh
+    return out
