@@ -12,9 +12,9 @@ import torch.nn.functional as F
 import transformers
 
 from tqexport.bench import evaltext, quality, report, speed_report
-from tqexport.bench.metrics import Totals
 from tqexport.errors import TQExportError
 from tqexport.kvquant.codecs import make_codec
+from tqexport.metrics import Totals
 from tqexport.models.loader import load_model
 
 MODEL = "tiny-llama"

@@ -95,8 +95,8 @@ def test_calibrate_writes_a_table_that_kv_bits_reads(tmp_path, capsys):
 def test_calibration_measures_only_the_changed_layer():
     """Skipping the unchanged layers reproduces the baseline exactly (auto: KL 0), and a
     quantized layer costs something."""
-    from tqexport.bench.metrics import Totals
     from tqexport.calibration_sim import LayerSimulation
+    from tqexport.metrics import Totals
     from tqexport.models.loader import load_model
 
     lm = load_model("tiny-llama", "float32")

@@ -71,9 +71,9 @@ def parse_candidates(text: str) -> tuple[str, ...]:
 def layer_bits(spec, pos: int) -> Fraction:
     """Bits per token that layer ``pos`` of ``spec`` stores, all in (exact): its cache, and its
     recent window amortized as ``bench quality`` counts it (unquantized storage at 16 bits)."""
-    from tqexport.bench.quality import layer_bits as bench_layer_bits
+    from tqexport.storage_bits import layer_bits as stored_bits
 
-    return bench_layer_bits(spec, spec.layers[pos], 16)
+    return stored_bits(spec, spec.layers[pos], 16)
 
 
 def layer_elements(spec, pos: int) -> int:
@@ -170,9 +170,9 @@ def measure(
 ) -> Table:
     """Score every (layer, candidate) with only that layer changed against the baseline."""
     from tqexport import validate
-    from tqexport.bench.metrics import Totals
     from tqexport.calibration_sim import LayerSimulation
     from tqexport.export.artifact import _tokens, held_out_calibration_text
+    from tqexport.metrics import Totals
     from tqexport.models.loader import load_model
     from tqexport.resolve import resolve
 

@@ -29,8 +29,8 @@ class Choice:
 
 def candidate_bits(desc, candidates) -> list[list[Fraction]]:
     """[layer][candidate] bits per token, exact; candidate 0 is ``auto``."""
-    from tqexport.bench.quality import layer_bits
     from tqexport.resolve import resolve
+    from tqexport.storage_bits import layer_bits
 
     last = len(desc.layers) - 1
     out = [[] for _ in desc.layers]

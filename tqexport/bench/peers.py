@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tqexport.bench.metrics import Totals
 from tqexport.errors import TQExportError
+from tqexport.metrics import Totals
 
 #: llama.cpp KV cache types and their bits per element (block of 32: fp16 scale + data).
 KV_TYPES = {"f16": 16.0, "q8_0": 8.5, "q4_0": 4.5}

@@ -13,17 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from fractions import Fraction
 from pathlib import Path
 
 from tqexport.bench.evaltext import EvalText, chunk_tokens
-from tqexport.bench.metrics import Totals
 from tqexport.contract.artifact import Artifact, open_artifact
 from tqexport.errors import TQExportError
 from tqexport.export.artifact import BuildOptions, resolve_spec
 from tqexport.kvquant.modes import parse_kv_cache_dtype
+from tqexport.metrics import Totals
 from tqexport.runtime.executor import Executor
 from tqexport.spec import ModelSpec
+from tqexport.storage_bits import AMORTIZE_CONTEXT, bits_per_element, layer_bits  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -67,37 +67,6 @@ class Config:
             recent_window=self.recent_window, sink_tokens=self.sink_tokens,
             kv_scales=self.kv_scales, key_transform=self.key_transform, kv_layers=self.kv_layers,
         )  # fmt: skip
-
-
-#: context over which a recent window's fixed per-sequence bytes are amortized
-AMORTIZE_CONTEXT = 4096
-
-
-def bits_per_element(spec: ModelSpec, model_bits: int | None = None) -> float:
-    """KV bits per stored K or V element, all in: every layer's bytes (skipped ones included),
-    plus the recent window's (and sink tokens') bytes amortized over a 4096-token context.
-
-    ``model_bits`` counts unquantized storage (``auto`` layers, recent windows) at that width
-    instead of the spec's model dtype (the runs here are fp32; a deployment keeps them in 16).
-    """
-    bits = sum(layer_bits(spec, la, model_bits) for la in spec.layers)
-    elems = sum(2 * la.cache.num_kv_heads * la.cache.head_size for la in spec.layers)
-    return float(bits / elems)
-
-
-def layer_bits(spec: ModelSpec, la, model_bits: int | None = None) -> Fraction:
-    """Bits per token one layer stores, exactly, as :func:`bits_per_element` counts them."""
-    n = 2 * la.cache.num_kv_heads * la.cache.head_size
-    bits = Fraction(0)
-    for b in la.bindings:
-        plain = model_bits is not None and b.cache.kv_cache_dtype == "auto"
-        per_token = Fraction(n * model_bits if plain else 8 * b.cache.bytes_per_token)
-        group = spec.groups[b.group]
-        if group.bounded:  # holds only its window (and sink tokens) of each sequence
-            held = min(b.cache.window + group.sink_tokens, AMORTIZE_CONTEXT)
-            per_token = per_token * held / AMORTIZE_CONTEXT
-        bits += per_token
-    return bits
 
 
 @dataclass
