@@ -23,7 +23,7 @@ from tqexport.kvquant.modes import parse_kv_cache_dtype
 from tqexport.metrics import Totals
 from tqexport.runtime.executor import Executor
 from tqexport.spec import ModelSpec
-from tqexport.storage_bits import AMORTIZE_CONTEXT, bits_per_element, layer_bits  # noqa: F401
+from tqexport.storage_bits import bits_per_element
 
 
 @dataclass(frozen=True)
