@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from tqexport.bench.speed import decode_ms_interleaved
+from tqexport.bench.speed import decode_run
 from tqexport.contract.artifact import open_artifact
 
 
@@ -44,7 +44,7 @@ def main():
         # every batch size of a context in the same loop too: batch scaling is a ratio
         labels = {f"{w}/{d}/{b}": a for (w, d), a in arts.items() for b in batches}
         sizes = {label: int(label.rsplit("/", 1)[1]) for label in labels}
-        ms = decode_ms_interleaved(labels, c, sizes, args.steps, args.threads)
+        ms, _ = decode_run(labels, c, sizes, args.steps, args.threads)
         for b in batches:
             for d in dtypes:
                 tps = {w: 1000 * b / ms[f"{w}/{d}/{b}"] for w in ("before", "after")}

@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from tqexport.bench.speed import artifact_for, decode_ms_interleaved
+from tqexport.bench.speed import artifact_for, decode_run
 
 VARIANTS = {
     "default": {},
@@ -45,7 +45,7 @@ def main():
         art = artifact_for(args.model, d, args.workdir)
         for c in (int(x) for x in args.contexts.split(",")):
             for b in (int(x) for x in args.batches.split(",")):
-                ms = decode_ms_interleaved(
+                ms, _ = decode_run(
                     {n: art for n in names},
                     c,
                     b,

@@ -108,26 +108,8 @@ def decode_ms(
 ) -> float:
     """Fastest decode step (ms) of ``batch`` sequences holding ``context`` cached tokens;
     ``extra_blocks`` grows the cache beyond what they use (in-place updates keep it flat)."""
-    ms = decode_ms_interleaved({"x": art}, context, batch, steps, threads, extra_blocks, options)
+    ms, _ = decode_run({"x": art}, context, batch, steps, threads, extra_blocks, options)
     return ms["x"]
-
-
-def decode_ms_interleaved(
-    arts: dict[str, Artifact],
-    context: int,
-    batch: int | dict[str, int],
-    steps: int,
-    threads=None,
-    extra_blocks: int = 0,
-    options: dict | None = None,
-    step_options: dict | None = None,
-) -> dict[str, float]:
-    """:func:`decode_ms` of several artifacts (or one artifact under several ``step_options``
-    labels: label -> session option overrides; ``batch`` may be label -> batch) with their
-    steps interleaved: a warm-up step each, then step s of every artifact before step s + 1 of
-    any."""
-    ms, _ = decode_run(arts, context, batch, steps, threads, extra_blocks, options, step_options)
-    return ms
 
 
 def decode_run(
@@ -141,8 +123,11 @@ def decode_run(
     step_options: dict | None = None,
     kernels: str | dict[str, str] = "auto",
 ) -> tuple[dict[str, float], dict[str, dict]]:
-    """:func:`decode_ms_interleaved` with each label's ``kernels`` (one choice, or label ->
-    choice): (ms per label, label -> what ran its layers and why, and its session's options)."""
+    """:func:`decode_ms` of several artifacts (or one artifact under several ``step_options``
+    labels: label -> session option overrides; ``batch`` may be label -> batch; ``kernels`` one
+    choice or label -> choice) with their steps interleaved: a warm-up step each, then step s of
+    every artifact before step s + 1 of any. Returns (ms per label, label -> what ran its layers
+    and why, and its session's options)."""
     backends, tables = {}, {}
     for label, art in arts.items():
         b = batch[label] if isinstance(batch, dict) else batch
