@@ -5,6 +5,7 @@ parity rule."""
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from tqexport.contract.caches import allocate_caches
@@ -305,3 +306,13 @@ def serving(app):
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+def main_inproc(capsys, *args):
+    """``tqexport ARGS`` in this process (the heavy imports are paid once): (code, out, err)."""
+    from tqexport.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return e.value.code, out, err

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import main_inproc
 
 
 def run(*args):
@@ -146,16 +147,6 @@ def one_error_line(stderr: str, message: str) -> str:
     assert lines[0].startswith("error: ") and message in lines[0], lines[0]
     assert "Traceback" not in stderr
     return lines[0]
-
-
-def main_inproc(capsys, *args):
-    """``tqexport ARGS`` in this process (the heavy imports are paid once): (code, out, err)."""
-    from tqexport.cli import main
-
-    with pytest.raises(SystemExit) as e:
-        main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return e.value.code, out, err
 
 
 def test_markup_and_emoji_codes_in_user_text_print_literally():
@@ -362,6 +353,11 @@ def test_options_an_artifact_target_ignores_are_refused(artifacts, capsys, monke
         (["inspect", art, "--max-num-batched-tokens", "8"],
          f"--max-num-batched-tokens has no effect: {art} has no windowed caches for it to size; "
          "drop it"),
+        (["inspect", art, "--json", "--vllm-args"],
+         "--json and --vllm-args each choose what is printed; give one"),
+        (["inspect", art, "--vllm-args", "--num-blocks", "10"],
+         "--num-blocks sizes the cache inspect shows; --vllm-args prints only the vLLM cache "
+         "flags: drop one of them"),
     ]:  # fmt: skip
         code, out, err = main_inproc(capsys, *args)
         assert (code, out, err) == (2, "", f"error: {message}\n")

@@ -5,8 +5,7 @@ import json
 from fractions import Fraction
 
 import pytest
-from helpers import dense
-from test_cli import main_inproc
+from helpers import dense, main_inproc
 
 from tqexport import calibration as cal
 from tqexport.errors import TQExportError

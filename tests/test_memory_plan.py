@@ -4,9 +4,8 @@ the full-attention group bounds the batch at the context served, and serving thr
 import json
 
 import pytest
-from helpers import assert_greedy, teacher_forced
+from helpers import assert_greedy, main_inproc, teacher_forced
 
-from tqexport.cli import main
 from tqexport.contract.artifact import open_artifact
 from tqexport.runtime.blocks import BlockManager
 from tqexport.runtime.executor import Executor
@@ -40,13 +39,6 @@ def ran(batch):
         s.num_cached += n
         if s.num_cached == s.num_tokens:
             s.output.append(7)
-
-
-def main_inproc(capsys, *args):
-    with pytest.raises(SystemExit) as e:
-        main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return e.value.code, out, err
 
 
 def test_budget_is_split_so_the_full_group_bounds_the_batch(gemma3):

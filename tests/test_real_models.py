@@ -208,3 +208,16 @@ def test_gemma_vllm_args_are_what_vllm_would_be_told():
     r = cli(*args, "--no-boundary", "--vllm-args")
     assert r.returncode == 1 and r.stdout == ""
     assert "vLLM cannot serve this plan: layer 17 is quantized, but vLLM always keeps" in r.stderr
+
+
+def test_gemma_artifacts_through_inspect_vllm_args(artifacts):
+    """``inspect ARTIFACT --vllm-args``: what vLLM would be told for a built Gemma artifact (fp8
+    everywhere), and why it cannot serve the sw one (layer 17 is a TurboQuant boundary layer)."""
+    fp8 = cli("inspect", str(artifacts(GEMMA, "fp8")), "--vllm-args")
+    assert fp8.returncode == 0, fp8.stderr
+    assert (
+        fp8.stdout == f"vllm serve {GEMMA} --dtype float32 --kv-cache-dtype fp8 --block-size 16\n"
+    )
+    sw = cli("inspect", str(artifacts(GEMMA, "turboquant_4bit_nc", ("sw",))), "--vllm-args")
+    assert sw.returncode == 1 and sw.stdout == ""
+    assert sw.stderr.startswith("error: vLLM cannot serve this plan: layer 17 is quantized, but ")

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import dense, gemma_like
+from helpers import dense, gemma_like, main_inproc
 
 from tqexport.resolve import resolve
 from tqexport.vllm_bridge import vllm_args
@@ -80,3 +80,11 @@ def test_cli_prints_the_command_or_exits_1_saying_why():
     assert bad.returncode == 1 and bad.stdout == ""
     assert bad.stderr.startswith("error: vLLM cannot serve this plan: a recent window")
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_inspect_prints_the_command_for_a_built_artifact(artifacts, capsys):
+    """The artifact's own spec, and the model it was built from, give the command."""
+    code, out, err = main_inproc(capsys, "inspect", artifacts("tiny-llama", "fp8"), "--vllm-args")
+    assert (code, out, err) == (
+        0, "vllm serve tiny-llama --dtype float32 --kv-cache-dtype fp8 --block-size 16\n", ""
+    )  # fmt: skip

@@ -150,6 +150,26 @@ def _say(text: str) -> None:
     err.print(printable(text))
 
 
+VllmArgsOption = Annotated[
+    bool,
+    typer.Option(
+        "--vllm-args",
+        help="Print the `vllm serve` command giving the same per-layer caches (exit 1 and say "
+        "why when vLLM cannot express them).",
+    ),
+]
+
+
+def _print_vllm_command(spec, model: str) -> None:
+    """The ``vllm serve`` command for ``spec``'s caches, or exit 1 naming what vLLM lacks."""
+    from tqexport.vllm_bridge import vllm_args
+
+    flags = vllm_args(spec)
+    if flags.unsupported:
+        error_exit("vLLM cannot serve this plan: " + "; ".join(flags.unsupported), 1)
+    print(flags.command(model))
+
+
 @app.command(cls=Command)
 def plan(
     ctx: typer.Context,
@@ -170,14 +190,7 @@ def plan(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the per-layer spec as JSON.")
     ] = False,
-    vllm_args: Annotated[
-        bool,
-        typer.Option(
-            "--vllm-args",
-            help="Print the `vllm serve` command giving the same per-layer caches (exit 1 and "
-            "say why when vLLM cannot express the plan).",
-        ),
-    ] = False,
+    vllm_args: VllmArgsOption = False,
 ):
     """Print the per-layer cache plan of MODEL from its config alone (no weights loaded)."""
     from tqexport.kv_layers import covered, parse_kv_layers
@@ -208,12 +221,7 @@ def plan(
         print(json.dumps(spec.plan_dict(), indent=2))
         return
     if vllm_args:
-        from tqexport.vllm_bridge import vllm_args as bridge
-
-        flags = bridge(spec)
-        if flags.unsupported:
-            error_exit("vLLM cannot serve this plan: " + "; ".join(flags.unsupported), 1)
-        print(flags.command(model))
+        _print_vllm_command(spec, model)
         return
     t = Table(
         title=printable(
@@ -515,6 +523,7 @@ def inspect(
         int, typer.Option(help="Token budget per step (sizes the recent-window caches).")
     ] = _ENGINE.max_num_batched_tokens,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    vllm_args: VllmArgsOption = False,
 ):
     """Per-layer and per-group cache allocation of an artifact, totals vs an all-bf16 cache, and
     how many sequences of the longest length served fit at once."""
@@ -529,8 +538,19 @@ def inspect(
         num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
     )  # fmt: skip
+    if as_json and vllm_args:
+        raise TQExportError("--json and --vllm-args each choose what is printed; give one")
     art = open_artifact(artifact)
     spec = art.spec
+    if vllm_args:
+        sizing = [n for n in ("num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs",
+                              "max_num_batched_tokens") if given(ctx, n)]  # fmt: skip
+        if sizing:
+            flag = "--" + sizing[0].replace("_", "-")
+            raise TQExportError(f"{flag} sizes the cache inspect shows; --vllm-args prints only "
+                                "the vLLM cache flags: drop one of them")  # fmt: skip
+        _print_vllm_command(spec, spec.model.get("path", spec.model["name"]))
+        return
     if not any(g.window for g in spec.groups) and given(ctx, "max_num_batched_tokens"):
         raise TQExportError(
             f"--max-num-batched-tokens has no effect: {artifact} has no windowed caches for it "
