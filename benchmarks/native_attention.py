@@ -46,9 +46,11 @@ def session(op: str, attrs: dict, inputs: dict, outputs: dict, library: str, thr
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
-def measure(dtype: str, context: int, batch: int, repeats: int, scatter: bool, library: str,
-            threads: int) -> float:  # fmt: skip
-    """Fastest thread CPU ms of one PagedAttention step at ``dtype``."""
+def measure(dtype: str, context: int, batch: int, repeats: int, scatter: bool,
+            libraries: list[str], threads: int) -> list[float]:  # fmt: skip
+    """Fastest thread CPU ms of one PagedAttention step at ``dtype``, per library (their runs
+    interleaved, so a change of load hits them alike; the caches written by the first)."""
+    library = libraries[0]
     heads, kvh, d, bs = 9, 3, 64, 16
     spec = KVCacheSpec(kv_cache_dtype=dtype, num_kv_heads=kvh, head_size=d, block_size=bs,
                        model_dtype="float32")  # fmt: skip
@@ -80,17 +82,19 @@ def measure(dtype: str, context: int, batch: int, repeats: int, scatter: bool, l
     step = {"tables": tables, "lens": np.full(batch, context, np.int32),
             "starts": np.arange(batch + 1, dtype=np.int32),
             "positions": np.full(batch, context - 1, np.int64)}  # fmt: skip
-    attention = session(PAGED_ATTENTION, attrs, {"q": ("float32", 3), **cache_io,
-                        **{n: (str(x.dtype), x.ndim) for n, x in step.items()}},
-                        {"out": ("float32", 3)}, library, threads)  # fmt: skip
+    attention = [session(PAGED_ATTENTION, attrs, {"q": ("float32", 3), **cache_io,
+                         **{n: (str(x.dtype), x.ndim) for n, x in step.items()}},
+                         {"out": ("float32", 3)}, lib, threads) for lib in libraries]  # fmt: skip
     feed = {"q": rng.standard_normal((batch, heads, d), np.float32),
             **dict(zip(cache_io, caches, strict=True)), **step}  # fmt: skip
-    best = float("inf")
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    best = [float("inf")] * len(libraries)
     for _ in range(repeats + 1):
-        t0 = time.thread_time() if threads == 1 else time.perf_counter()
-        attention.run(None, feed)
-        best = min(best, (time.thread_time() if threads == 1 else time.perf_counter()) - t0)
-    return best * 1000
+        for i, sess in enumerate(attention):
+            t0 = clock()
+            sess.run(None, feed)
+            best[i] = min(best[i], clock() - t0)
+    return [b * 1000 for b in best]
 
 
 def main(argv: list[str] | None = None):
@@ -100,8 +104,13 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1, help="above 1: wall time, not CPU time")
     ap.add_argument("--scatter", action="store_true")
+    ap.add_argument(
+        "--baseline",
+        help="another build of the library (say, of the previous commit): timed beside this "
+        "checkout's, interleaved, as 'before / after'",
+    )
     args = ap.parse_args(argv)
-    library = str(native_build.build().library)
+    libraries = [*([args.baseline] if args.baseline else []), str(native_build.build().library)]
     print(f"kernel ISA cap: {os.environ.get('TQEXPORT_NATIVE_ISA') or 'none'}; "
           f"load {os.getloadavg()[0]:.2f}")  # fmt: skip
     dtypes = args.dtypes.split(",")
@@ -109,8 +118,12 @@ def main(argv: list[str] | None = None):
     print("|---" * (len(dtypes) + 1) + "|")
     for point in args.points.split(","):
         c, b = (int(x) for x in point.split("x"))
-        ms = [measure(d, c, b, args.repeats, args.scatter, library, args.threads) for d in dtypes]
-        print(f"| {point} | " + " | ".join(f"{m:.2f}" for m in ms) + " |", flush=True)
+        cells = []
+        for d in dtypes:
+            ms = measure(d, c, b, args.repeats, args.scatter, libraries, args.threads)
+            ratio = f" ({ms[0] / ms[-1]:.2f}x)" if len(ms) > 1 else ""
+            cells.append(" / ".join(f"{m:.2f}" for m in ms) + ratio)
+        print(f"| {point} | " + " | ".join(cells) + " |", flush=True)
     print(f"load after {os.getloadavg()[0]:.2f}")
 
 
