@@ -75,13 +75,13 @@ inline __m512 dot_lanes(const float* x, const float* y, int d) {
   return s;
 }
 
-// out[j] = a_j . b for j < n, a_j = a + j * d (b null: a_j . a_j), 16 keys per reduction
-inline void dots(const float* a, const float* b, int n, int d, float* out) {
+// out[j] = a[j] . b for j < n (b null: a[j] . a[j]), 16 keys per reduction
+inline void dots(const float* const* a, const float* b, int n, int d, float* out) {
   for (int j = 0; j < n; j += 16) {
     const int m = std::min(16, n - j);
     __m512 v[16];
     for (int k = 0; k < 16; ++k) {
-      const float* x = a + size_t(j + k) * d;
+      const float* x = a[std::min(j + k, n - 1)];
       v[k] = k < m ? dot_lanes(x, b ? b : x, d) : _mm512_setzero_ps();
     }
     _mm512_mask_storeu_ps(out + j, static_cast<__mmask16>((1u << m) - 1), sum_lanes(v));
@@ -102,14 +102,14 @@ inline __m256 sum_lanes(const __m256* v) {
                        _mm256_permute2f128_ps(s2[0], s2[1], 0x31));
 }
 
-inline void dots(const float* a, const float* b, int n, int d, float* out) {
+inline void dots(const float* const* a, const float* b, int n, int d, float* out) {
   for (int j = 0; j < n; j += 8) {
     const int m = std::min(8, n - j);
     __m256 v[8];
     for (int k = 0; k < 8; ++k) {
       v[k] = _mm256_setzero_ps();
       if (k >= m) continue;
-      const float* x = a + size_t(j + k) * d;
+      const float* x = a[j + k];
       const float* y = b ? b : x;
       for (int i = 0; i < d; i += 8)  // d: a multiple of 8
         v[k] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), v[k]);
@@ -120,9 +120,9 @@ inline void dots(const float* a, const float* b, int n, int d, float* out) {
   }
 }
 #else
-inline void dots(const float* a, const float* b, int n, int d, float* out) {
+inline void dots(const float* const* a, const float* b, int n, int d, float* out) {
   for (int j = 0; j < n; ++j) {
-    const float* x = a + size_t(j) * d;
+    const float* x = a[j];
     const float* y = b ? b : x;
     float s = 0.0f;
     for (int i = 0; i < d; ++i) s += x[i] * y[i];
@@ -134,7 +134,7 @@ inline void dots(const float* a, const float* b, int n, int d, float* out) {
 // acc[0, W) = acc * corr + sum_j p[j] * v_j (v_j = v + j * stride): the sums stay in registers
 template <int W>
 inline void accumulate(float* __restrict acc, float corr, const float* __restrict p,
-                       const float* __restrict v, int n, int stride) {
+                       const float* __restrict v, int n, int64_t stride) {
   float a[W];
   for (int l = 0; l < W; ++l) a[l] = acc[l] * corr;
   for (int j = 0; j < n; ++j) {
@@ -145,12 +145,32 @@ inline void accumulate(float* __restrict acc, float corr, const float* __restric
   for (int l = 0; l < W; ++l) acc[l] = a[l];
 }
 
-inline void accumulate_row(float* acc, float corr, const float* p, const float* v, int n, int d) {
+// the same over a row of d: values v_j = v + j * stride (the tile: stride d)
+inline void accumulate_row(float* acc, float corr, const float* p, const float* v, int n, int d,
+                           int64_t stride) {
   int c = 0;
-  for (; c + 64 <= d; c += 64) accumulate<64>(acc + c, corr, p, v + c, n, d);
-  for (; c + 16 <= d; c += 16) accumulate<16>(acc + c, corr, p, v + c, n, d);
-  for (; c < d; c += 8) accumulate<8>(acc + c, corr, p, v + c, n, d);  // d: a multiple of 8
+  for (; c + 64 <= d; c += 64) accumulate<64>(acc + c, corr, p, v + c, n, stride);
+  for (; c + 16 <= d; c += 16) accumulate<16>(acc + c, corr, p, v + c, n, stride);
+  for (; c < d; c += 8) accumulate<8>(acc + c, corr, p, v + c, n, stride);  // d: a multiple of 8
 }
+
+// Runs of a tile's keys whose fp32 values lie at one stride in the cache (consecutive slots of
+// a block, every one used): accumulated from the cache in place; other keys from the tile.
+struct ValueRuns {
+  int n = 0;
+  int start[kKeyTile + 1];
+  const float* base[kKeyTile];  // null: the tile's rows
+};
+
+// fp32 caches are read in place (a row per key, no copy into the tile)
+template <Mode M>
+inline const float* cache_row(const Format& f, const CacheView& c, int i, int64_t th) {
+  return M == Mode::NONE && f.storage == Elem::F32
+             ? reinterpret_cast<const float*>(c.data[i]) + th * f.head_size
+             : nullptr;
+}
+
+alignas(64) constexpr float kZeroRow[gen::kMaxHeadSize] = {};
 
 // Per-row softmax state of one item: running max, sum, and the weighted value sums: of the
 // recent cache (natural order) and of the layer's cache (in its basis and order, see
@@ -194,6 +214,8 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
   float* ktile = sc.keys.data();
   float* vtile = sc.values.data();
   float kmul[kKeyTile];
+  const float* krow[kKeyTile];
+  const bool corrected = tile_norm_correction(fmt);
   int64_t th[kKeyTile];
   bool real[kKeyTile];
   const int32_t* table = src.table + it.seq * src.width;
@@ -216,11 +238,23 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
       th[j] = slot(p0 + j);
       real[j] = th[j] >= 0;
       kmul[j] = 0.0f;
+      krow[j] = kZeroRow;  // keys that are not real: any finite row (their scores are dropped)
       if (!real[j]) continue;
       any_real = true;
+      if (const float* row = cache_row<M>(fmt, src.view, 0, th[j])) {
+        krow[j] = row;
+        kmul[j] = s.scale;
+        continue;
+      }
+      krow[j] = ktile + size_t(j) * d;
       kmul[j] = decode_key<M>(fmt, src.view, th[j], ktile + size_t(j) * d) * s.scale;
     }
     if (!any_real) continue;
+    if (corrected) {  // norm correction of the tile's keys at once: scale / |decoded key|
+      float sumsq[kKeyTile];
+      dots(krow, nullptr, nk, d, sumsq);
+      for (int j = 0; j < nk; ++j) kmul[j] = kmul[j] / std::sqrt(sumsq[j] + gen::kNcEps);
+    }
     bool used[kKeyTile] = {};
     for (int r = 0; r < rows.n; ++r) {
       const int64_t P = pos[r / groups];
@@ -242,7 +276,7 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
       }
       sc.live[r] = any;
       if (!any) continue;
-      dots(ktile, q, nk, d, pr);  // keys a row does not see: any value, dropped below
+      dots(krow, q, nk, d, pr);  // keys a row does not see: any value, dropped below
       float mt = kNegInf;
       for (int j = 0; j < nk; ++j) {
         float v = pr[j] * kmul[j];
@@ -267,16 +301,35 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
         for (int i = 0; i < d; ++i) other[i] *= corr;
       }
     }
+    ValueRuns runs;
+    const int64_t stride = int64_t(s.kv_heads) * d;
     for (int j = 0; j < nk; ++j) {  // keys no row sees weigh 0: their values must be finite
+      const float* row = used[j] ? cache_row<M>(fmt, src.view, 1, th[j]) : nullptr;
+      const float* last = runs.n ? runs.base[runs.n - 1] : nullptr;
+      const bool joins = runs.n && (row ? last && th[j] == th[j - 1] + s.kv_heads : !last);
+      if (!joins) {
+        runs.start[runs.n] = j;
+        runs.base[runs.n++] = row;
+      }
+      if (row) continue;
       if (used[j])
         decode_value<M>(fmt, src.view, th[j], vtile + size_t(j) * d);
       else
         std::fill_n(vtile + size_t(j) * d, d, 0.0f);
     }
+    runs.start[runs.n] = nk;
     for (int r = 0; r < rows.n; ++r) {
       if (!sc.live[r]) continue;
       float* acc = main ? &rows.accm[size_t(r) * d] : &rows.acc[size_t(r) * d];
-      accumulate_row(acc, sc.corr[r], &sc.scores[size_t(r) * kKeyTile], vtile, nk, d);
+      const float* p = &sc.scores[size_t(r) * kKeyTile];
+      float corr = sc.corr[r];
+      for (int k = 0; k < runs.n; ++k, corr = 1.0f) {
+        const int a = runs.start[k], n = runs.start[k + 1] - a;
+        if (runs.base[k])
+          accumulate_row(acc, corr, p + a, runs.base[k], n, d, stride);
+        else
+          accumulate_row(acc, corr, p + a, vtile + size_t(a) * d, n, d, d);
+      }
     }
   }
 }

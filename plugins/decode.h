@@ -84,7 +84,15 @@ inline float e4m3_value(uint8_t b) {
   return float_of(bits_of(v) | (static_cast<uint32_t>(b & 0x80) << 24));
 }
 
-inline float get_half(const uint8_t* p) { return half_value(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
+// a little-endian fp16 field (F16C where the kernel's ISA has it: exact, NaN payloads quieted)
+inline float get_half(const uint8_t* p) {
+  const uint16_t h = static_cast<uint16_t>(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return half_value(h);
+#endif
+}
 
 inline float nvfp4_value(int code) {
   const float m = gen::kE2M1[code & 7];
@@ -136,8 +144,15 @@ using detail::nvfp4_decode;
 using detail::unpack4_parts;
 using detail::unpack_lookup;
 
+// Whether a key's scale needs its decoded vector's norm (TurboQuant norm correction): the
+// attention loop then divides by it once per tile of keys (decode_key leaves it out).
+inline bool tile_norm_correction(const Format& f) {
+  return f.mode == Mode::TURBOQUANT && f.preset->key_bits != 8 && f.preset->norm_correction;
+}
+
 // Decoders are templates on the mode: a kernel instantiates one per format, so the per-slot
-// code has no dispatch.
+// code has no dispatch. decode_key returns the key's scale (without the norm correction of
+// tile_norm_correction formats: the caller applies it).
 template <Mode M>
 inline float decode_key(const Format& f, const CacheView& c, int64_t th, float* out) {
   const int d = f.head_size;
@@ -192,13 +207,7 @@ inline float decode_key(const Format& f, const CacheView& c, int64_t th, float* 
         unpack4_parts(slot, d, f.key_book->centroids, out);
       else
         unpack_lookup(slot, d, f.preset->key_bits, f.key_book->centroids, out);
-      float scale = get_half(slot + lay.key_norm_offset);
-      if (f.preset->norm_correction) {
-        float sumsq = 0.0f;
-        for (int i = 0; i < d; ++i) sumsq += out[i] * out[i];
-        scale = scale / std::sqrt(sumsq + gen::kNcEps);
-      }
-      return scale;
+      return get_half(slot + lay.key_norm_offset);
     }
   }
   return 1.0f;

@@ -16,6 +16,7 @@ from tqexport.contract.caches import allocate_caches
 from tqexport.contract.files import set_spec_metadata
 from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
 from tqexport.export.functions import function_for, quiet_export
+from tqexport.export.fusable import divide_by_roots
 from tqexport.models.paged import PagedCausalLM
 from tqexport.ops.attributes import DOMAIN
 from tqexport.spec import ModelSpec, block_tables_name, slot_mapping_name
@@ -75,6 +76,7 @@ def export_model(hf_model: torch.nn.Module, spec: ModelSpec, opset: int = DEFAUL
             verbose=False,
         )
     model = program.model_proto
+    divide_by_roots(model)  # RMS norms ORT fuses into one node each
     attach_functions(model, opset)
     set_spec_metadata(model, spec)
     return model
