@@ -208,3 +208,21 @@ def test_gemma_vllm_args_are_what_vllm_would_be_told():
     r = cli(*args, "--no-boundary", "--vllm-args")
     assert r.returncode == 1 and r.stdout == ""
     assert "vLLM cannot serve this plan: layer 17 is quantized, but vLLM always keeps" in r.stderr
+
+
+def test_gemma_calibration_attends_as_the_model():
+    """``calibrate``'s simulated attention with nothing quantized gives Gemma's own (eager)
+    logits on 600 tokens of real text: its sliding layers (window 512) are cut where the model
+    cuts them. A sliding layer's recent window of 512 keeps it exact."""
+    from test_kv_budget import model_logits
+
+    from tqexport.calibration_sim import LayerSimulation
+    from tqexport.export.artifact import held_out_calibration_text
+    from tqexport.models.loader import load_model
+
+    lm = load_model(GEMMA, "float32")
+    ids = lm.tokenizer(held_out_calibration_text(), add_special_tokens=False)["input_ids"][:600]
+    ref = model_logits(lm, ids)
+    sim = LayerSimulation(lm, ids)
+    assert (sim.baseline - ref).abs().max().item() <= 1e-4
+    assert sim.logits(16, "tqx_k4v2_mse", 512, 0).equal(sim.baseline)
