@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install native models test demo bench lint clean vllm-parity docs
+.PHONY: install native models test demo bench calibration-tables lint clean vllm-parity docs
 
 install: $(STAMP) native
 
@@ -58,6 +58,20 @@ QUALITY := $(BIN)/tqexport bench quality smollm2 --chunks 8 --json
 QUALITY_4K := $(BIN)/tqexport bench quality smollm2 --chunk 4096 --chunks 1 --json
 VLLM_DTYPES := fp8,fp8_e5m2,int8_per_token_head,fp8_per_token_head,int4_per_token_head,nvfp4,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc
 TQ_DTYPES := turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,tqx_k4v4_g32,tqx_k4v3_g32,tqx_k4v3_mse,tqx_k4v2_mse
+# Gemma 3 270M (needs ~12 GB of memory per run): --kv-bits at the bits of two uniform plans
+# (tqx_k4v3_mse w184 s8 on every layer; tqx_k4v2_mse w60 s4 on the full layers only) against
+# uniform plans, from the committed calibration table (`make calibration-tables` remeasures it)
+QUALITY_GEMMA := $(BIN)/tqexport bench quality gemma3-270m --chunk 4096 --chunks 1 --json --no-peer
+GEMMA_TABLE := $(REPORT_DIR)/calibration_gemma3-270m.json
+GEMMA_CANDIDATES := fp8,tqx_k4v4:w24:s8,tqx_k4v3_mse:w24:s8,tqx_k4v2_mse:w24:s8
+GEMMA_SW := 0-4:auto,5:tqx_k4v2_mse:w60:s4,6-10:auto,11:tqx_k4v2_mse:w60:s4,12-16:auto,17:tqx_k4v2_mse:w60:s4
+GEMMA_UNIFORM := 0-17:tqx_k4v2_mse:w60:s4 0-17:tqx_k4v3_mse:w184:s8 0-17:fp8 $(GEMMA_SW)
+GEMMA_BUDGETS := 1.71484375,2.21875
+# the same comparisons on one 512-token window (~8 GB; what this machine could run): the plans
+# --kv-bits 1.71484375 and 2.21875 choose from the table, as --kv-layers
+QUALITY_GEMMA_512 := $(BIN)/tqexport bench quality gemma3-270m --chunk 512 --chunks 1 --json --no-peer
+GEMMA_PLAN_171 := 0:tqx_k4v3_mse:w24:s8,1:auto,2-3:tqx_k4v3_mse:w24:s8,4:auto,5:fp8,6-7:tqx_k4v3_mse:w24:s8,8:tqx_k4v2_mse:w24:s8,9-10:tqx_k4v3_mse:w24:s8,11-12:fp8,13-14:tqx_k4v3_mse:w24:s8,15-17:tqx_k4v2_mse:w24:s8
+GEMMA_PLAN_222 := 0:tqx_k4v3_mse:w24:s8,1:auto,2:tqx_k4v4:w24:s8,3:tqx_k4v3_mse:w24:s8,4-5:auto,6-7:tqx_k4v3_mse:w24:s8,8:tqx_k4v2_mse:w24:s8,9-10:tqx_k4v3_mse:w24:s8,11-12:fp8,13-14:tqx_k4v3_mse:w24:s8,15-16:fp8,17:tqx_k4v2_mse:w24:s8
 
 # The llama.cpp peer is compiled for this CPU's AVX2 / AVX-512 but never AMX: AMX tile set-up
 # faults in VMs that do not grant it (a general protection fault at ldtilecfg on every eval).
@@ -79,10 +93,18 @@ bench: install
 	$(QUALITY_4K) --kv-cache-dtype tqx_k3v3 --boundary off --recent-window 28 --kv-sink-tokens 4 --kv-key-transform center,center+signs --no-peer > $(REPORT_DIR)/quality_4096_k3.json
 	$(QUALITY_4K) --kv-cache-dtype tqx_k4v3_mse --boundary off --recent-window 184 --kv-sink-tokens 8 --kv-key-transform center --no-peer > $(REPORT_DIR)/quality_4096_mse45.json
 	$(QUALITY_4K) --kv-cache-dtype tqx_k4v2_mse --boundary off --recent-window 60 --kv-sink-tokens 4 --kv-key-transform center --no-peer > $(REPORT_DIR)/quality_4096_mse35.json
+	$(QUALITY_GEMMA) $(foreach c,$(GEMMA_UNIFORM),--kv-layers $(c)) > $(REPORT_DIR)/quality_4096_gemma3-270m_uniform.json
+	$(QUALITY_GEMMA) --kv-bits $(GEMMA_BUDGETS) --calibration $(GEMMA_TABLE) > $(REPORT_DIR)/quality_4096_gemma3-270m_budget.json
+	$(QUALITY_GEMMA_512) --kv-layers $(GEMMA_PLAN_171) --kv-layers 0-17:tqx_k4v3_mse:w184:s8 > $(REPORT_DIR)/quality_512_gemma3-270m_budget1.71.json
+	$(QUALITY_GEMMA_512) --kv-layers $(GEMMA_PLAN_222) --kv-layers $(GEMMA_SW) --kv-layers 0-17:fp8 > $(REPORT_DIR)/quality_512_gemma3-270m_budget2.22.json
 	$(BIN)/python benchmarks/peers_speed.py --json $(REPORT_DIR)/speed_peers.json
 	$(BIN)/tqexport bench report smollm2 -o $(REPORT_DIR) --peer-speed-json $(REPORT_DIR)/speed_peers.json $(foreach f,quality quality_native quality_recent quality_calibrated quality_4096 quality_4096_k4 quality_4096_k3 quality_4096_mse45 quality_4096_mse35,--quality-json $(REPORT_DIR)/$(f).json)
 	$(BIN)/python benchmarks/codec_throughput.py
 	$(BIN)/python -m tqexport.bench.glance README.md $(REPORT_DIR)/results.json
+
+# The calibration tables `make bench` reads (committed in docs/report; CPU minutes each)
+calibration-tables: install
+	$(BIN)/tqexport calibrate gemma3-270m -o $(GEMMA_TABLE) --tokens 256 --candidates $(GEMMA_CANDIDATES)
 
 # The generated parts of the docs: the CLI reference (typer's own generator) and the README's
 # formats table (from the report's results.json). tests/test_docs.py fails while either is stale.

@@ -110,6 +110,67 @@ def test_calibration_measures_only_the_changed_layer():
     assert sim.logits(2, "tqx_k4v2_mse", len(ids), 0).equal(sim.baseline)
 
 
+def model_logits(lm, ids, implementation="eager"):
+    """The model's own logits of ``ids`` under one of transformers' attention functions."""
+    import torch
+
+    for m in lm.model.modules():
+        if hasattr(m, "config"):
+            m.config._attn_implementation = implementation
+    with torch.no_grad():
+        return lm.model(torch.tensor([ids]), use_cache=False).logits[0]
+
+
+@pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-gemma2", "tiny-mistral"])
+def test_simulation_attends_as_the_model_in_sliding_and_softcapped_layers(model):
+    """With nothing quantized the simulated logits are transformers' eager ones (sliding window
+    8 over 40 tokens; Gemma 2: attention and final-logit softcaps), every layer re-run from its
+    own inputs reproduces them (Gemma 3: local and global rotary), and a sliding layer whose
+    recent window covers its whole window (w8) is exact while w7 is not."""
+    from tqexport.calibration_sim import LayerSimulation
+    from tqexport.models.loader import load_model
+
+    lm = load_model(model, "float32")
+    ids = list(range(3, 43))
+    ref = model_logits(lm, ids)
+    sim = LayerSimulation(lm, ids)
+    assert (sim.baseline - ref).abs().max().item() <= 1e-5
+    sliding = [la.index for la in lm.description.layers if la.window == 8]
+    assert sliding and len(ids) > 8
+    for layer in range(len(lm.description.layers)):
+        assert sim.logits(layer, "auto", 0, 0).equal(sim.baseline), layer
+    assert sim.logits(sliding[-1], "tqx_k4v2_mse", 8, 0).equal(sim.baseline)
+    assert not sim.logits(sliding[-1], "tqx_k4v2_mse", 7, 0).equal(sim.baseline)
+
+
+def test_simulation_refuses_a_model_without_decoder_layers():
+    from types import SimpleNamespace
+
+    from tqexport.calibration_sim import LayerSimulation
+
+    lm = SimpleNamespace(description=dense(2), model=SimpleNamespace(model=None))
+    with pytest.raises(TQExportError) as e:
+        LayerSimulation(lm, [1, 2, 3])
+    assert str(e.value) == (
+        f"calibrate needs a decoder with .model.layers; {lm.description.name} is "
+        f"{lm.description.architecture}"
+    )
+
+
+def test_a_sliding_layer_counts_only_its_window():
+    """tiny-gemma3: layers 0-4 slide over 8 tokens, so each stores 8 tokens of a 4096-token
+    sequence (as the recent windows do); layer 5 stores every token."""
+    desc = describe_model("tiny-gemma3")
+    n = 2 * 2 * 64  # K and V elements per token of a layer: 2 kv heads of 64
+    bits = candidate_bits(desc, ("fp8", "tqx_k4v2_mse:w4:s2"))
+    held = Fraction(8, 4096)
+    # tqx_k4v2_mse: 52 bytes per token-head, and its 4 + 2 exact tokens at 16 bits
+    k4v2 = 8 * 52 * 2
+    assert bits[:5] == [[16 * n * held, 8 * n * held,
+                         k4v2 * held + 16 * n * Fraction(6, 4096)]] * 5  # fmt: skip
+    assert bits[5] == [16 * n, 8 * n, k4v2 + 16 * n * Fraction(6, 4096)]
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -221,3 +221,21 @@ def test_gemma_artifacts_through_inspect_vllm_args(artifacts):
     sw = cli("inspect", str(artifacts(GEMMA, "turboquant_4bit_nc", ("sw",))), "--vllm-args")
     assert sw.returncode == 1 and sw.stdout == ""
     assert sw.stderr.startswith("error: vLLM cannot serve this plan: layer 17 is quantized, but ")
+
+
+def test_gemma_calibration_attends_as_the_model():
+    """``calibrate``'s simulated attention with nothing quantized gives Gemma's own (eager)
+    logits on 600 tokens of real text: its sliding layers (window 512) are cut where the model
+    cuts them. A sliding layer's recent window of 512 keeps it exact."""
+    from test_kv_budget import model_logits
+
+    from tqexport.calibration_sim import LayerSimulation
+    from tqexport.export.artifact import held_out_calibration_text
+    from tqexport.models.loader import load_model
+
+    lm = load_model(GEMMA, "float32")
+    ids = lm.tokenizer(held_out_calibration_text(), add_special_tokens=False)["input_ids"][:600]
+    ref = model_logits(lm, ids)
+    sim = LayerSimulation(lm, ids)
+    assert (sim.baseline - ref).abs().max().item() <= 1e-4
+    assert sim.logits(16, "tqx_k4v2_mse", 512, 0).equal(sim.baseline)

@@ -69,8 +69,9 @@ def parse_candidates(text: str) -> tuple[str, ...]:
 
 
 def layer_bits(spec, pos: int) -> Fraction:
-    """Bits per token that layer ``pos`` of ``spec`` stores, all in (exact): its cache, and its
-    recent window amortized as ``bench quality`` counts it (unquantized storage at 16 bits)."""
+    """Bits per token that layer ``pos`` of ``spec`` stores, all in (exact), as ``bench quality``
+    counts them: its cache and recent window, each amortized over 4096 tokens where it holds
+    only a window (unquantized storage at 16 bits)."""
     from tqexport.storage_bits import layer_bits as stored_bits
 
     return stored_bits(spec, spec.layers[pos], 16)

@@ -3,8 +3,10 @@
 The model runs with an attention function that, in one chosen layer, reads its keys and values
 round-tripped through that layer's candidate codec (encoded, then decoded), except the recent
 window (``p - j < W``) and the first S tokens, which stay exact, as the paged caches hold them;
-every other layer attends exactly. Layers before the chosen one do not change, so their output
-is kept from the baseline pass and only the chosen layer and those after it run again.
+every other layer attends exactly. Each layer attends as the model does: causally, within its
+sliding window if it has one, scores softcapped if the model caps them (with nothing quantized
+the logits are the model's own, tested). Layers before the chosen one do not change, so their
+output is kept from the baseline pass and only the chosen layer and those after it run again.
 (``benchmarks/quantizer_sim.py`` showed this reproduces ``bench quality``'s perplexities.)
 """
 
@@ -27,18 +29,13 @@ class LayerSimulation:
 
     def __init__(self, lm, ids: list[int]):
         desc = lm.description
-        if any(la.window is not None or la.softcap for la in desc.layers):
-            raise TQExportError(
-                f"calibrate measures full-attention layers without a softcap; {desc.name} has "
-                "sliding-window or softcapped layers"
-            )
         core = getattr(lm.model, "model", None)
         if core is None or not hasattr(core, "layers") or not hasattr(lm.model, "lm_head"):
             raise TQExportError(f"calibrate needs a decoder with .model.layers; {desc.name} is "
                                 f"{desc.architecture}")  # fmt: skip
         self.model, self.core = lm.model.eval(), core
         self.ids = torch.tensor([ids])
-        self.head_size = desc.layers[0].head_size
+        self.layers = {la.index: la for la in desc.layers}
         self.active: tuple | None = None  # (layer, codec, window, sinks)
         AttentionInterface.register(NAME, self._attention)
         for m in self.model.modules():
@@ -59,22 +56,27 @@ class LayerSimulation:
         self.inputs.append((args, kwargs))
 
     def logits(self, layer: int, dtype: str, window: int, sinks: int) -> torch.Tensor:
-        codec = make_codec(dtype, self.head_size, model_dtype="float32")
+        codec = make_codec(dtype, self.layers[layer].head_size, model_dtype="float32")
         self.active = (layer, codec, window, sinks)
         try:
             with torch.no_grad():
                 args, kwargs = self.inputs[layer]
                 h = args[0] if args else kwargs["hidden_states"]
-                rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-                for block in self.core.layers[layer:]:
-                    out = block(h, **rest)
+                for i in range(layer, len(self.core.layers)):
+                    # each layer its own arguments (Gemma 3: local or global rotary, mask)
+                    rest = {k: v for k, v in self.inputs[i][1].items() if k != "hidden_states"}
+                    out = self.core.layers[i](h, **rest)
                     h = out[0] if isinstance(out, tuple) else out
                 logits = self.model.lm_head(self.core.norm(h))
+                cap = getattr(self.model.config, "final_logit_softcapping", None)
+                if cap:
+                    logits = torch.tanh(logits / cap) * cap
         finally:
             self.active = None
         return logits[0]
 
     def _attention(self, module, query, key, value, attention_mask, scaling=None, **kw):
+        la = self.layers[module.layer_idx]
         q = query[0]  # [H, T, D]
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, D]
         window = sinks = 0
@@ -84,15 +86,19 @@ class LayerSimulation:
         else:
             kq, vq = k, v
             window = k.shape[0]  # every entry exact
-        scale = scaling if scaling is not None else self.head_size**-0.5
-        out = mixed_attention(q, k, v, kq, vq, window, sinks, scale)
+        scale = scaling if scaling is not None else la.scale
+        out = mixed_attention(q, k, v, kq, vq, window, sinks, scale, la.window, la.softcap)
         return out.transpose(0, 1).unsqueeze(0), None
 
 
-def mixed_attention(q, k, v, kq, vq, window: int, sinks: int, scale: float) -> torch.Tensor:
-    """Causal attention of ``q`` [H, T, D] that reads exact ``k``/``v`` [T, KVH, D] where the
-    paged caches keep them (``p - j < window`` or ``j < sinks``) and ``kq``/``vq`` elsewhere,
-    in blocks of ``ROWS`` query rows; [H, T, D]."""
+def mixed_attention(
+    q, k, v, kq, vq, window: int, sinks: int, scale: float,
+    sliding: int | None = None, softcap: float | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Causal attention of ``q`` [H, T, D] (only over ``p - j < sliding`` for a sliding layer,
+    scores capped at ``softcap``) that reads exact ``k``/``v`` [T, KVH, D] where the paged
+    caches keep them (``p - j < window`` or ``j < sinks``) and ``kq``/``vq`` elsewhere, in
+    blocks of ``ROWS`` query rows; [H, T, D]."""
     groups = q.shape[0] // k.shape[1]
 
     def heads(x):
@@ -106,6 +112,10 @@ def mixed_attention(q, k, v, kq, vq, window: int, sinks: int, scale: float) -> t
         p, j = pos[a:b, None], pos[None, :]
         exact = (p - j < window) | (j < sinks)
         s = torch.where(exact, q[:, a:b] @ kh.transpose(1, 2), q[:, a:b] @ kqh.transpose(1, 2))
-        pr = torch.softmax((s * scale).masked_fill(j > p, float("-inf")), -1)
+        s = s * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        hidden = (j > p) if sliding is None else (j > p) | (p - j >= sliding)
+        pr = torch.softmax(s.masked_fill(hidden, float("-inf")), -1)
         out[:, a:b] = (pr * exact) @ vh + (pr * ~exact) @ vqh
     return out

@@ -3,8 +3,9 @@
 A knapsack solved exactly: dynamic programming over the layers, each state a (bits, predicted
 cost) pair of a partial plan, keeping only the Pareto front (fewer bits or less cost). Bits are
 exact (:class:`fractions.Fraction`): every candidate's all-in bits per token of each layer, as
-``bench quality`` counts them (unquantized storage at 16 bits, recent windows amortized over
-4096 tokens); the predicted cost of a plan is the sum of its layers' measured costs.
+``bench quality`` counts them (unquantized storage at 16 bits; recent windows and sliding
+layers, which hold a window of each sequence, amortized over 4096 tokens); the predicted cost
+of a plan is the sum of its layers' measured costs.
 """
 
 from __future__ import annotations

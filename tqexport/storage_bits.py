@@ -15,7 +15,8 @@ AMORTIZE_CONTEXT = 4096
 
 def bits_per_element(spec: ModelSpec, model_bits: int | None = None) -> float:
     """KV bits per stored K or V element, all in: every layer's bytes (skipped ones included),
-    plus the recent window's (and sink tokens') bytes amortized over a 4096-token context.
+    plus the recent window's (and sink tokens') bytes, amortized over a 4096-token context; a
+    sliding-window layer's bytes too (it holds only its window of each sequence).
 
     ``model_bits`` counts unquantized storage (``auto`` layers, recent windows) at that width
     instead of the spec's model dtype (the runs here are fp32; a deployment keeps them in 16).
@@ -33,8 +34,10 @@ def layer_bits(spec: ModelSpec, la, model_bits: int | None = None) -> Fraction:
         plain = model_bits is not None and b.cache.kv_cache_dtype == "auto"
         per_token = Fraction(n * model_bits if plain else 8 * b.cache.bytes_per_token)
         group = spec.groups[b.group]
-        if group.bounded:  # holds only its window (and sink tokens) of each sequence
-            held = min(b.cache.window + group.sink_tokens, AMORTIZE_CONTEXT)
+        if group.window is not None:
+            # a recent window or a sliding layer: holds only its window (and sink tokens) of
+            # each sequence
+            held = min(group.window + group.sink_tokens, AMORTIZE_CONTEXT)
             per_token = per_token * held / AMORTIZE_CONTEXT
         bits += per_token
     return bits
