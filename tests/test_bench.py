@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from tqexport import metrics
 from tqexport.bench import evaltext, quality, report, speed_report
 from tqexport.errors import TQExportError
 from tqexport.kvquant.codecs import make_codec
@@ -28,7 +29,10 @@ class ByteTokenizer:
         return {"input_ids": list(text.encode())}
 
 
-def test_totals_match_direct_computation():
+@pytest.mark.parametrize("rows_per_block", [4, 256])
+def test_totals_match_direct_computation(monkeypatch, rows_per_block):
+    # blocks of 4 rows split both chunks (6 and 11 predictions) mid-way, the default does not
+    monkeypatch.setattr(metrics, "ROWS_PER_BLOCK", rows_per_block)
     g = torch.Generator().manual_seed(0)
     chunks = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (7, 12)]
     base = [torch.randn(len(c), 50, generator=g) * 3 for c in chunks]
