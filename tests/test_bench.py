@@ -476,3 +476,49 @@ def test_readme_glance_table_quotes_the_report():
     )
     with pytest.raises(ValueError, match="glance markers"):
         glance.update("no markers", results)
+
+
+def test_peer_holds_one_llama_context_at_a_time(monkeypatch):
+    """Each llama.cpp context holds n_ctx x vocab scores (4 GiB for Gemma 3 at 4096 tokens):
+    the peer opens one per cache type and chunk, closes it, and compares with f16's logits."""
+    import sys
+    import types
+
+    import numpy as np
+
+    from tqexport.bench import peers
+
+    g = torch.Generator().manual_seed(0)
+    chunks = [[1, 5, 2, 7], [3, 3, 0, 6]]
+    logits = {(t, i): torch.randn(4, 8, generator=g).numpy() for t in peers.KV_TYPES
+              for i in range(2)}  # fmt: skip
+    open_now, most = set(), []
+
+    class FakeLlama:
+        def __init__(self, kv_type):
+            self.kv_type, self.n = kv_type, 0
+            open_now.add(self)
+            most.append(len(open_now))
+
+        def reset(self):
+            self.scores = None
+
+        def eval(self, ids):
+            self.scores = logits[(self.kv_type, chunks.index(ids))].copy()
+
+        def close(self):
+            self.scores[:] = np.nan  # what the caller still holds of it is gone
+            open_now.discard(self)
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(__version__="fake"))
+    monkeypatch.setattr(peers, "_llama", lambda path, t, chunk, threads: FakeLlama(t))
+    got = peers.evaluate(Path("m.gguf"), chunks)
+    assert max(most) == 1 and not open_now
+    for run in got["runs"]:
+        want = Totals()
+        for i, ids in enumerate(chunks):
+            want.add(logits[(run["kv_type"], i)], ids, logits[("f16", i)])
+        assert {k: run[k] for k in ("ppl", "kl", "top1")} == pytest.approx(
+            {k: v for k, v in want.summary().items() if k != "predictions"}, rel=1e-12
+        )
+    assert [r["kv_type"] for r in got["runs"]] == ["f16", "q8_0", "q4_0"]
