@@ -522,3 +522,42 @@ def test_peer_holds_one_llama_context_at_a_time(monkeypatch):
             {k: v for k, v in want.summary().items() if k != "predictions"}, rel=1e-12
         )
     assert [r["kv_type"] for r in got["runs"]] == ["f16", "q8_0", "q4_0"]
+
+
+def test_model_report_names_where_a_smollm2_winner_loses(tmp_path):
+    """A model scored like SmolLM2's 1024-token part, but where fp8_e5m2 costs 0.1%: every
+    configuration within a bit of it that beat it on SmolLM2 now loses to it, nothing else."""
+    from tqexport.bench import model_report
+
+    part = json.loads((ROOT / "docs/report/quality.json").read_text())
+    part["quality"]["model"] = "m"
+    base = part["quality"]["baseline"]["ppl"]
+    next(r for r in part["quality"]["runs"] if r["label"] == "fp8_e5m2")["ppl"] = base * 1.001
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "quality.json").write_text(json.dumps(part))
+    (tmp_path / "results.json").write_text((ROOT / "docs/report/results.json").read_text())
+    results = model_report.build(tmp_path, ["m"])
+    [sec] = results["models"][0]["sections"]
+    assert sec["chunk_tokens"] == 1024
+    winners = ["fp8", "fp8_per_token_head", "turboquant_k8v4"]  # largest SmolLM2 margin first
+    assert [(f["winner"][1], f["loser"][1]) for f in sec["flips"]] == [
+        (w, "fp8_e5m2") for w in winners
+    ]
+    assert sec["flips"][0]["model_pct"][1] == pytest.approx(0.1)
+    files = model_report.write(tmp_path, results)
+    assert [f.name for f in files] == ["models.json", "models.md", "ppl_vs_bits_1024.png"]
+    md = (tmp_path / "models.md").read_text()
+    assert "## m: quality at 1024-token windows" in md and "| fp8 | fp8_e5m2 |" not in md
+    assert "| tqexport fp8 | tqexport fp8_e5m2 | +0.97% vs +4.50% | +0.97% vs +0.10% |" in md
+
+
+def test_model_report_without_runs_is_one_line(tmp_path, capsys):
+    from tqexport.bench import model_report
+
+    (tmp_path / "results.json").write_text((ROOT / "docs/report/results.json").read_text())
+    (tmp_path / "m").mkdir()
+    with pytest.raises(SystemExit) as e:
+        model_report.main([str(tmp_path), "m"])
+    assert str(e.value) == (
+        f"error: {tmp_path / 'm'} holds no `bench quality --json` output; run them first"
+    )
