@@ -547,7 +547,7 @@ def test_model_report_names_where_a_smollm2_winner_loses(tmp_path):
     files = model_report.write(tmp_path, results)
     assert [f.name for f in files] == ["models.json", "models.md", "ppl_vs_bits_1024.png"]
     md = (tmp_path / "models.md").read_text()
-    assert "## m: quality at 1024-token windows" in md and "| fp8 | fp8_e5m2 |" not in md
+    assert "## m at 1024-token windows" in md and "| fp8 | fp8_e5m2 |" not in md
     assert "| tqexport fp8 | tqexport fp8_e5m2 | +0.97% vs +4.50% | +0.97% vs +0.10% |" in md
 
 

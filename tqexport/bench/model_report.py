@@ -108,7 +108,7 @@ def _flip_lines(model: str, sec: dict) -> list[str]:
     if sec["flips"] is None:
         return [f"SmolLM2 was not scored at {sec['chunk_tokens']}-token windows."]
     if not sec["flips"]:
-        return [f"No SmolLM2 winner loses on {model} here (pairs within {PAIR_BITS:g} bits)."]
+        return [f"No SmolLM2 winner loses on {model} here (pairs at most {PAIR_BITS:g} bit apart)."]
     rows = [
         [" ".join(f["winner"]), " ".join(f["loser"]),
          f"{f['reference_pct'][0]:+.2f}% vs {f['reference_pct'][1]:+.2f}%",
@@ -117,7 +117,7 @@ def _flip_lines(model: str, sec: dict) -> list[str]:
         for f in sec["flips"]
     ]  # fmt: skip
     return [
-        f"Where a SmolLM2 winner loses on {model} (pairs within {PAIR_BITS:g} bits per element; "
+        f"Where a SmolLM2 winner loses on {model} (pairs at most {PAIR_BITS:g} bit per element apart; "
         "PPL change against each tool's own baseline):",
         "",
         md_table(["wins on SmolLM2", "loses to", "SmolLM2", model, f"bits on {model}"], rows),
@@ -137,11 +137,11 @@ def markdown(results: dict) -> str:
     ]
     for entry in results["models"]:
         model = entry["model"]
-        parts += ["", f"# {model}", "", entry["about"] + "."]
+        parts += ["", f"## {model}", "", entry["about"] + "."]
         for sec in entry["sections"]:
             plot = f"{model}/ppl_vs_bits_{sec['chunk_tokens']}.png"
             parts += report._quality_markdown(
-                f"{model}: quality at {sec['chunk_tokens']}-token windows", sec["quality"],
+                f"{model} at {sec['chunk_tokens']}-token windows", sec["quality"],
                 sec["rows"], sec["peer"], sec["peer_note"], plot,
             )  # fmt: skip
             parts += [""] + _flip_lines(model, sec)
