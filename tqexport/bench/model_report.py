@@ -117,8 +117,8 @@ def _flip_lines(model: str, sec: dict) -> list[str]:
         for f in sec["flips"]
     ]  # fmt: skip
     return [
-        f"Where a SmolLM2 winner loses on {model} (pairs at most {PAIR_BITS:g} bit per element apart; "
-        "PPL change against each tool's own baseline):",
+        f"Where a SmolLM2 winner loses on {model} (pairs at most {PAIR_BITS:g} bit per element "
+        "apart; PPL change against each tool's own baseline):",
         "",
         md_table(["wins on SmolLM2", "loses to", "SmolLM2", model, f"bits on {model}"], rows),
     ]
