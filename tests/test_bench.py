@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from tqexport import metrics
 from tqexport.bench import evaltext, quality, report, speed_report
 from tqexport.errors import TQExportError
 from tqexport.kvquant.codecs import make_codec
@@ -28,7 +29,10 @@ class ByteTokenizer:
         return {"input_ids": list(text.encode())}
 
 
-def test_totals_match_direct_computation():
+@pytest.mark.parametrize("rows_per_block", [4, 256])
+def test_totals_match_direct_computation(monkeypatch, rows_per_block):
+    # blocks of 4 rows split both chunks (6 and 11 predictions) mid-way, the default does not
+    monkeypatch.setattr(metrics, "ROWS_PER_BLOCK", rows_per_block)
     g = torch.Generator().manual_seed(0)
     chunks = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (7, 12)]
     base = [torch.randn(len(c), 50, generator=g) * 3 for c in chunks]
@@ -472,3 +476,88 @@ def test_readme_glance_table_quotes_the_report():
     )
     with pytest.raises(ValueError, match="glance markers"):
         glance.update("no markers", results)
+
+
+def test_peer_holds_one_llama_context_at_a_time(monkeypatch):
+    """Each llama.cpp context holds n_ctx x vocab scores (4 GiB for Gemma 3 at 4096 tokens):
+    the peer opens one per cache type and chunk, closes it, and compares with f16's logits."""
+    import sys
+    import types
+
+    import numpy as np
+
+    from tqexport.bench import peers
+
+    g = torch.Generator().manual_seed(0)
+    chunks = [[1, 5, 2, 7], [3, 3, 0, 6]]
+    logits = {(t, i): torch.randn(4, 8, generator=g).numpy() for t in peers.KV_TYPES
+              for i in range(2)}  # fmt: skip
+    open_now, most = set(), []
+
+    class FakeLlama:
+        def __init__(self, kv_type):
+            self.kv_type, self.n = kv_type, 0
+            open_now.add(self)
+            most.append(len(open_now))
+
+        def reset(self):
+            self.scores = None
+
+        def eval(self, ids):
+            self.scores = logits[(self.kv_type, chunks.index(ids))].copy()
+
+        def close(self):
+            self.scores[:] = np.nan  # what the caller still holds of it is gone
+            open_now.discard(self)
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(__version__="fake"))
+    monkeypatch.setattr(peers, "_llama", lambda path, t, chunk, threads: FakeLlama(t))
+    got = peers.evaluate(Path("m.gguf"), chunks)
+    assert max(most) == 1 and not open_now
+    for run in got["runs"]:
+        want = Totals()
+        for i, ids in enumerate(chunks):
+            want.add(logits[(run["kv_type"], i)], ids, logits[("f16", i)])
+        assert {k: run[k] for k in ("ppl", "kl", "top1")} == pytest.approx(
+            {k: v for k, v in want.summary().items() if k != "predictions"}, rel=1e-12
+        )
+    assert [r["kv_type"] for r in got["runs"]] == ["f16", "q8_0", "q4_0"]
+
+
+def test_model_report_names_where_a_smollm2_winner_loses(tmp_path):
+    """A model scored like SmolLM2's 1024-token part, but where fp8_e5m2 costs 0.1%: every
+    configuration within a bit of it that beat it on SmolLM2 now loses to it, nothing else."""
+    from tqexport.bench import model_report
+
+    part = json.loads((ROOT / "docs/report/quality.json").read_text())
+    part["quality"]["model"] = "m"
+    base = part["quality"]["baseline"]["ppl"]
+    next(r for r in part["quality"]["runs"] if r["label"] == "fp8_e5m2")["ppl"] = base * 1.001
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "quality.json").write_text(json.dumps(part))
+    (tmp_path / "results.json").write_text((ROOT / "docs/report/results.json").read_text())
+    results = model_report.build(tmp_path, ["m"])
+    [sec] = results["models"][0]["sections"]
+    assert sec["chunk_tokens"] == 1024
+    winners = ["fp8", "fp8_per_token_head", "turboquant_k8v4"]  # largest SmolLM2 margin first
+    assert [(f["winner"][1], f["loser"][1]) for f in sec["flips"]] == [
+        (w, "fp8_e5m2") for w in winners
+    ]
+    assert sec["flips"][0]["model_pct"][1] == pytest.approx(0.1)
+    files = model_report.write(tmp_path, results)
+    assert [f.name for f in files] == ["models.json", "models.md", "ppl_vs_bits_1024.png"]
+    md = (tmp_path / "models.md").read_text()
+    assert "## m at 1024-token windows" in md and "| fp8 | fp8_e5m2 |" not in md
+    assert "| tqexport fp8 | tqexport fp8_e5m2 | +0.97% vs +4.50% | +0.97% vs +0.10% |" in md
+
+
+def test_model_report_without_runs_is_one_line(tmp_path, capsys):
+    from tqexport.bench import model_report
+
+    (tmp_path / "results.json").write_text((ROOT / "docs/report/results.json").read_text())
+    (tmp_path / "m").mkdir()
+    with pytest.raises(SystemExit) as e:
+        model_report.main([str(tmp_path), "m"])
+    assert str(e.value) == (
+        f"error: {tmp_path / 'm'} holds no `bench quality --json` output; run them first"
+    )

@@ -13,9 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+#: predictions per block while scoring: float64 log-probabilities of a 262k-token vocabulary
+#: take 2 MiB a row, so a 4096-token window is scored a block of rows at a time
+ROWS_PER_BLOCK = 256
+
 
 def _log_probs(logits) -> torch.Tensor:
-    return torch.log_softmax(torch.as_tensor(logits)[:-1].double(), dim=-1)
+    return torch.log_softmax(torch.as_tensor(logits).double(), dim=-1)
 
 
 @dataclass
@@ -30,14 +34,17 @@ class Totals:
 
     def add(self, logits, tokens: list[int], base_logits=None) -> None:
         """One chunk: ``logits [n, vocab]`` for its ``n`` tokens (and the baseline's)."""
-        lp = _log_probs(logits)
         targets = torch.as_tensor(tokens[1:], dtype=torch.int64)
-        self.nll -= float(lp.gather(1, targets[:, None]).sum())
+        for start in range(0, len(targets), ROWS_PER_BLOCK):
+            rows = slice(start, min(start + ROWS_PER_BLOCK, len(targets)))
+            lp = _log_probs(logits[rows])
+            self.nll -= float(lp.gather(1, targets[rows, None]).sum())
+            if base_logits is not None:
+                bp = _log_probs(base_logits[rows])
+                self.kl += float((bp.exp() * (bp - lp)).sum())
+                self.top1 += int((bp.argmax(-1) == lp.argmax(-1)).sum())
         self.count += len(targets)
         if base_logits is not None:
-            bp = _log_probs(base_logits)
-            self.kl += float((bp.exp() * (bp - lp)).sum())
-            self.top1 += int((bp.argmax(-1) == lp.argmax(-1)).sum())
             self.compared += len(targets)
 
     def summary(self) -> dict:

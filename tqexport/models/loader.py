@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,15 +42,44 @@ def gguf_cache(path: Path) -> Path:
     return cache_dir() / "gguf" / f"{path.stem}-{key[:12]}"
 
 
-def _load_gguf(path: Path, dtype: torch.dtype):
-    """transformers' GGUF loader dequantizes every load; keep a safetensors copy instead."""
+@contextmanager
+def _parsed_once(path: Path):
+    """transformers parses a GGUF file's metadata (every vocabulary array) once per use: for the
+    weights, again for the tokenizer's config. Within this block it parses ``path`` once and
+    hands every later caller that parse (the tensors are never kept)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    parse, kept = gguf_utils.load_gguf_checkpoint, {}
+
+    def once(checkpoint, return_tensors=False, **kwargs):
+        if Path(checkpoint) != path or (return_tensors and "tensors" in kept):
+            return parse(checkpoint, return_tensors=return_tensors, **kwargs)
+        if not kept or return_tensors:
+            got = parse(checkpoint, return_tensors=return_tensors, **kwargs)
+            kept.update({k: v for k, v in got.items() if k != "tensors"}, tensors=return_tensors)
+            return got
+        return {k: v for k, v in kept.items() if k != "tensors"}
+
+    gguf_utils.load_gguf_checkpoint = once
+    try:
+        yield
+    finally:
+        gguf_utils.load_gguf_checkpoint = parse
+
+
+def _load_gguf(path: Path, config, dtype: torch.dtype):
+    """transformers' GGUF loader dequantizes every load; keep a safetensors copy instead. The
+    file is parsed once: CONFIG is its metadata already mapped (kept by load_config)."""
     from safetensors.torch import save_model as save_safetensors
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     target = gguf_cache(path)
     if not (target / "config.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        with _parsed_once(path):
+            model = AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, config=config
+            )
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
         # The weights are dequantized already; drop the GGUF quantizer so they save as-is.
@@ -128,7 +158,7 @@ def load_model(name: str, dtype: str | None = None) -> LoadedModel:
         root = path if path.is_dir() or path.suffix == ".gguf" else path.parent
         try:
             if path.suffix == ".gguf":
-                model, tok, gen = _load_gguf(path, torch_dtype)
+                model, tok, gen = _load_gguf(path, config, torch_dtype)
             else:
                 model, tok, gen = _load_dir(root, torch_dtype)
         except TQExportError:
