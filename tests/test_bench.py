@@ -522,6 +522,23 @@ def test_peer_holds_one_llama_context_at_a_time(monkeypatch):
             {k: v for k, v in want.summary().items() if k != "predictions"}, rel=1e-12
         )
     assert [r["kv_type"] for r in got["runs"]] == ["f16", "q8_0", "q4_0"]
+    assert [r["bits_per_element"] for r in got["runs"]] == [16.0, 8.5, 4.5]
+    shared = peers.evaluate(Path("m.gguf"), chunks, held_share=0.25)
+    assert [r["bits_per_element"] for r in shared["runs"]] == [4.0, 2.125, 1.125]
+
+
+def test_sliding_layers_hold_their_window_share_of_the_elements():
+    """Gemma 3 270M's 15 sliding layers (window 512) and 3 full ones hold 13/48 of a full cache
+    at 4096 tokens; windows at or beyond 4096 and dense models hold it all."""
+    from fractions import Fraction
+
+    from helpers import dense, describe, gemma_like
+
+    from tqexport.storage_bits import held_share
+
+    assert held_share(describe(([512] * 5 + [None]) * 3).layers) == Fraction(13, 48)
+    assert held_share(gemma_like(6, window=512).layers) == Fraction(3 * 1 + 3 * 8, 6 * 8)
+    assert held_share(gemma_like(4, window=5000).layers) == 1 == held_share(dense(3).layers)
 
 
 def test_model_report_names_where_a_smollm2_winner_loses(tmp_path):

@@ -41,3 +41,15 @@ def layer_bits(spec: ModelSpec, la, model_bits: int | None = None) -> Fraction:
             per_token = per_token * held / AMORTIZE_CONTEXT
         bits += per_token
     return bits
+
+
+def held_share(layers) -> Fraction:
+    """The share of a full-length cache's K/V elements that ``layers`` (each with
+    ``num_kv_heads``, ``head_size`` and ``window``) hold at a 4096-token context: sliding layers
+    keep only their window. A peer's nominal bits per element scale by it, as ours do."""
+    full = held = 0
+    for la in layers:
+        n = la.num_kv_heads * la.head_size
+        full += n
+        held += Fraction(n * min(la.window or AMORTIZE_CONTEXT, AMORTIZE_CONTEXT), AMORTIZE_CONTEXT)
+    return held / full

@@ -167,7 +167,11 @@ def run_quality(
         note = "not run: llama-cpp-python is not installed (pip install -e '.[peers]')"
     else:
         say(f"llama.cpp: scoring {len(ids)} chunks (f16, q8_0, q4_0)")
-        peer_result = peers.evaluate(gguf, ids, threads=threads)
+        from tqexport.models.config import describe_model
+        from tqexport.storage_bits import held_share
+
+        share = float(held_share(describe_model(source).layers))
+        peer_result = peers.evaluate(gguf, ids, threads=threads, held_share=share)
     return ours, peer_result, note
 
 

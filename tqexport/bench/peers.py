@@ -70,9 +70,15 @@ def _logits(llm, ids: list[int]) -> np.ndarray:
 
 
 def evaluate(
-    path: Path, chunks: list[list[int]], kv_types=tuple(KV_TYPES), threads: int | None = None
+    path: Path,
+    chunks: list[list[int]],
+    kv_types=tuple(KV_TYPES),
+    threads: int | None = None,
+    held_share: float = 1.0,
 ) -> dict:
-    """Perplexity per llama.cpp KV type; KL and top-1 against llama.cpp's own f16 run."""
+    """Perplexity per llama.cpp KV type; KL and top-1 against llama.cpp's own f16 run. Bits per
+    element are the type's, times ``held_share`` (llama.cpp's sliding layers keep only their
+    window, as ours: :func:`tqexport.storage_bits.held_share`)."""
     if not available():
         raise TQExportError(
             "the llama.cpp peer needs llama-cpp-python: pip install -e '.[peers]' "
@@ -101,7 +107,7 @@ def evaluate(
             {
                 "label": t,
                 "kv_type": t,
-                "bits_per_element": KV_TYPES[t],
+                "bits_per_element": KV_TYPES[t] * held_share,
                 **totals[t].summary(),
             }
             for t in types

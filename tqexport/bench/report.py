@@ -325,7 +325,9 @@ def _quality_markdown(title, q, rows, peer, note, plot) -> list[str]:
         "agreement with the same tool's own unquantized baseline. Bits per element are all "
         "in: every layer's K and V bytes per token (unquantized boundary layers counted at "
         "16 bits, as deployed; the CPU runs themselves are fp32) plus a recent window's "
-        "16-bit bytes amortized over a 4096-token context, over the K and V elements.",
+        "16-bit bytes amortized over a 4096-token context, over the K and V elements; a "
+        "sliding-window layer's bytes are amortized the same way (it holds only its window), "
+        "for llama.cpp's nominal bits too.",
         "",
     ]
     if peer:
