@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 
-def _log_probs(logits) -> torch.Tensor:
+def log_probs(logits) -> torch.Tensor:
+    """Next-token log-probabilities in float64 of a chunk's ``logits [n, vocab]``: [n-1, vocab]."""
     return torch.log_softmax(torch.as_tensor(logits)[:-1].double(), dim=-1)
 
 
@@ -30,12 +31,12 @@ class Totals:
 
     def add(self, logits, tokens: list[int], base_logits=None) -> None:
         """One chunk: ``logits [n, vocab]`` for its ``n`` tokens (and the baseline's)."""
-        lp = _log_probs(logits)
+        lp = log_probs(logits)
         targets = torch.as_tensor(tokens[1:], dtype=torch.int64)
         self.nll -= float(lp.gather(1, targets[:, None]).sum())
         self.count += len(targets)
         if base_logits is not None:
-            bp = _log_probs(base_logits)
+            bp = log_probs(base_logits)
             self.kl += float((bp.exp() * (bp - lp)).sum())
             self.top1 += int((bp.argmax(-1) == lp.argmax(-1)).sum())
             self.compared += len(targets)
