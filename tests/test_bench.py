@@ -251,8 +251,7 @@ def test_speed_measures_every_artifact_and_memory_from_the_spec(artifacts):
         ),
         (
             ["report", "smollm2", "-o", "out/never", "--speed-json", "pyproject.toml"],
-            "--speed-json pyproject.toml is not a `bench report` results.json with a speed "
-            "section",
+            "--speed-json pyproject.toml is not a `bench report` results.json with a speed",
         ),
     ],
 )
