@@ -253,6 +253,10 @@ def test_speed_measures_every_artifact_and_memory_from_the_spec(artifacts):
             ["report", "smollm2", "-o", "out/never", "--peer-speed-json", "pyproject.toml"],
             "--peer-speed-json pyproject.toml is not the output of",
         ),
+        (
+            ["report", "smollm2", "-o", "out/never", "--speed-json", "pyproject.toml"],
+            "--speed-json pyproject.toml is not a `bench report` results.json with a speed",
+        ),
     ],
 )
 def test_bench_bad_input_is_one_line_exit_2(args, message):
@@ -578,3 +582,44 @@ def test_model_report_without_runs_is_one_line(tmp_path, capsys):
     assert str(e.value) == (
         f"error: {tmp_path / 'm'} holds no `bench quality --json` output; run them first"
     )
+
+
+def test_report_sets_each_kv_bits_budget_beside_the_best_single_configuration(tmp_path):
+    """Each --kv-bits run: its predicted and measured KL, the best other configuration of the
+    same windows at no more bits, llama.cpp q4_0; the budget goals at 4096-token windows."""
+    from tqexport.bench import budget_report
+
+    def budget(b, bits, ppl, kl):
+        return {"label": f"kv-bits {b:g}", "kv_cache_dtype": "auto", "ppl": ppl, "kl": kl,
+                "bits_per_element": bits, "kv_bits": b, "predicted_kl": kl / 2,
+                "kv_layers": "0-29:tqx_k4v2_mse:w24:s8"}  # fmt: skip
+
+    q4 = {"tool": "llama.cpp", "gguf": "g", "runs": [
+        {"kv_type": "f16", "ppl": 20.0, "bits_per_element": 16.0},
+        {"kv_type": "q4_0", "ppl": 21.0, "bits_per_element": 4.5}]}  # fmt: skip
+    part = _part(4096, [("tqx_k4v2_mse recent 60", 10.145, 3.5), ("fp8", 10.02, 8.0)], q4)
+    part["quality"]["runs"] += [budget(3.5, 3.4921875, 10.07, 0.01), budget(3.0, 2.96875, 10.2,
+                                                                           0.02)]  # fmt: skip
+    sec = report.quality_section([part], "m")
+    rows = budget_report.budget_rows([(part["quality"]["chunking"], sec["rows"])])
+    assert [(r["kv_bits"], r["uniform"] and r["uniform"]["label"]) for r in rows] == [
+        (3.0, None), (3.5, "tqx_k4v2_mse recent 60")]  # fmt: skip
+    assert rows[1]["q4_0_ppl_delta_pct"] == pytest.approx(5.0)
+    assert rows[1]["ppl_delta_pct"] == pytest.approx(0.7)
+    goals = report.goals([], None, [sec])[-2:]
+    assert [(g["met"], g["detail"]) for g in goals] == [
+        (True, "+0.70% at 3.492 bits (predicted KL 0.00500, measured 0.01000)"),
+        (False, "+2.00% at 2.969 bits (predicted KL 0.01000, measured 0.02000)"),
+    ]
+    main = report.quality_section([_part(1024, [("fp8", 10.01, 8.0)])], "m")
+    results = {"model": "m", "command": "c", "rows": main["rows"], "quality": main["quality"],
+               "quality_windows": [sec], "peer": None, "peer_note": None, "goals": goals,
+               "machine": dict.fromkeys(["cpu", "cores", "memory_gib", "os", "python", "torch",
+                                          "onnxruntime", "transformers"], "x")}  # fmt: skip
+    files = {f.name for f in report.write(tmp_path, results)}
+    assert "ppl_vs_kv_bits.png" in files
+    md = (tmp_path / "report.md").read_text()
+    assert ("| 1 x 4096 | 3.5 | 3.492 | 0.00500 | 0.01000 | +0.70% | tqx_k4v2_mse recent 60 "
+            "(3.50): +1.45% | +5.00% |") in md  # fmt: skip
+    assert "| 1 x 4096 | 3 | 2.969 | 0.01000 | 0.02000 | +2.00% | - | +5.00% |" in md
+    assert md.index("## Per-layer precision under a bits budget") < md.index("## Goals")

@@ -18,9 +18,11 @@ def test_dtypes_json_lists_every_name_with_bytes():
     r = run("dtypes", "--head-size", "128", "--json")
     assert r.returncode == 0, r.stderr
     rows = {x["name"]: x for x in json.loads(r.stdout)["dtypes"]}
-    assert len(rows) == 20  # 14 vLLM names + 6 tqexport-native presets
+    assert len(rows) == 21  # 14 vLLM names + 7 tqexport-native presets
     assert rows["tqx_k4v2_mse"]["bytes_per_token_head"] == 64 + 2 + 32 + 2  # k4 + norm, v2 + norm
     assert rows["tqx_k4v2_mse"]["data_bits"] == "k4v2"
+    assert rows["tqx_k3v2_mse"]["bytes_per_token_head"] == 48 + 2 + 32 + 2  # k3 + norm, v2 + norm
+    assert rows["tqx_k3v2_mse"]["data_bits"] == "k3v2"
     assert (
         rows["tqx_k4v4"]["bytes_per_token_head"]
         == rows["turboquant_4bit_nc"]["bytes_per_token_head"]

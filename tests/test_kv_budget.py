@@ -30,6 +30,20 @@ def test_candidate_bits_are_the_bench_all_in_bits_of_each_layer():
     assert float(want[2] / n) == 3.375
 
 
+def test_the_default_candidates_reach_down_to_tqx_k3v2_mse():
+    """tqx_k3v2_mse: 24 bytes of 3-bit keys + norm, 16 of 2-bit values + norm = 44 bytes per
+    token-head at D = 64 (2.75 bits); with 24 recent + 8 sink tokens 2.875."""
+    desc = dense(2, head_size=64, dtype="float32")
+    bits = candidate_bits(desc, cal.DEFAULT_CANDIDATES)
+    n = 2 * 2 * 64
+    per_elem = {c: bits[0][i + 1] / n for i, c in enumerate(cal.DEFAULT_CANDIDATES)}
+    assert per_elem["tqx_k3v2_mse"] == Fraction(11, 4)
+    assert per_elem["tqx_k3v2_mse:w24:s8"] == Fraction(23, 8)
+    assert min(per_elem.values()) == Fraction(11, 4)
+    table = table_for(desc, cal.DEFAULT_CANDIDATES, [[0.1] * len(cal.DEFAULT_CANDIDATES)] * 2)
+    assert choose(desc, table, 3.0).bits_per_element <= 3
+
+
 def test_choose_is_the_exact_optimum_of_the_knapsack():
     desc = dense(4, dtype="float32")
     cands = ("fp8", "tqx_k4v4", "tqx_k4v2_mse", "tqx_k4v2_mse:w24:s8")
@@ -169,6 +183,24 @@ def test_a_sliding_layer_counts_only_its_window():
     assert bits[:5] == [[16 * n * held, 8 * n * held,
                          k4v2 * held + 16 * n * Fraction(6, 4096)]] * 5  # fmt: skip
     assert bits[5] == [16 * n, 8 * n, k4v2 + 16 * n * Fraction(6, 4096)]
+
+
+def test_calibration_kl_is_the_benchmark_kl():
+    """calibrate's KL (baseline log-probabilities computed once) is Totals' to the last bit."""
+    from tqexport.calibration_sim import LayerSimulation
+    from tqexport.metrics import Totals
+    from tqexport.models.loader import load_model
+
+    lm = load_model("tiny-llama", "float32")
+    ids = list(range(3, 40))
+    sim = LayerSimulation(lm, ids)
+    kl = cal.BaselineKL(sim.baseline)
+    for layer, dtype in ((0, "tqx_k3v2_mse"), (4, "fp8"), (5, "tqx_k4v2_mse")):
+        logits = sim.logits(layer, dtype, 2, 1)
+        t = Totals()
+        t.add(logits, ids, sim.baseline)
+        assert kl(logits) == t.summary()["kl"] > 0
+    assert kl(sim.baseline) == 0.0
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ NATIVE_NAMES = [
     "tqx_k3v3",
     "tqx_k4v3_mse",
     "tqx_k4v2_mse",
+    "tqx_k3v2_mse",
 ]
 
 

@@ -13,7 +13,7 @@ from tqexport.kvquant.packing import unpack_codes
 
 NAMES = ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4",
          "fp8", "fp8_e5m2", "auto", "tqx_k4v4_g32", "tqx_k4v3_g32",
-         "tqx_k4v3_mse", "tqx_k4v2_mse"]  # fmt: skip
+         "tqx_k4v3_mse", "tqx_k4v2_mse", "tqx_k3v2_mse"]  # fmt: skip
 #: every format at head sizes 64 and 128; at Gemma 3's 256 one TurboQuant format per codec path
 #: (fp8 keys, uniform values, grouped values, MSE values)
 CASES = [(n, d) for n in NAMES for d in (64, 128)] + [

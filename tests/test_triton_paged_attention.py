@@ -11,7 +11,7 @@ from tqexport.kvquant.codecs import make_codec, torch_dtype
 
 NAMES = ["auto", "fp8", "fp8_e5m2", "turboquant_4bit_nc", "turboquant_k3v4_nc",
          "turboquant_3bit_nc", "turboquant_k8v4", "tqx_k4v4_g32", "tqx_k4v3_g32",
-         "tqx_k4v3_mse", "tqx_k4v2_mse"]  # fmt: skip
+         "tqx_k4v3_mse", "tqx_k4v2_mse", "tqx_k3v2_mse"]  # fmt: skip
 
 # TRITON_INTERPRET must be set before triton is imported: the comparison runs in a child.
 CHILD = r"""

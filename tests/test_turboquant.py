@@ -51,6 +51,7 @@ def test_presets():
         "tqx_k3v3": (3, 3, True, 0, True, False),
         "tqx_k4v3_mse": (4, 3, True, 0, True, True),
         "tqx_k4v2_mse": (4, 2, True, 0, True, True),
+        "tqx_k3v2_mse": (3, 2, True, 0, True, True),
     }
 
 
@@ -83,6 +84,8 @@ def test_native_layouts(name, d, offsets):
         ("tqx_k4v3_mse", 128, (64, 64, 66, 48, 114, 116)),
         ("tqx_k4v2_mse", 64, (32, 32, 34, 16, 50, 52)),
         ("tqx_k4v2_mse", 128, (64, 64, 66, 32, 98, 100)),
+        ("tqx_k3v2_mse", 64, (24, 24, 26, 16, 42, 44)),
+        ("tqx_k3v2_mse", 128, (48, 48, 50, 32, 82, 84)),
     ],
 )
 def test_mse_value_layouts(name, d, offsets):
@@ -251,8 +254,11 @@ def test_golden_slot_bytes_native_value_groups(name, vbits):
     assert (decoded[1] - v).abs().max() <= step / 2 + 1e-2  # fp16 scale rounding
 
 
-@pytest.mark.parametrize("name,vbits,value_code", [("tqx_k4v3_mse", 3, 5), ("tqx_k4v2_mse", 2, 3)])
-def test_golden_slot_bytes_mse_values(name, vbits, value_code):
+@pytest.mark.parametrize(
+    "name,kbits,key_code,vbits,value_code",
+    [("tqx_k4v3_mse", 4, 11, 3, 5), ("tqx_k4v2_mse", 4, 11, 2, 3), ("tqx_k3v2_mse", 3, 5, 2, 3)],
+)
+def test_golden_slot_bytes_mse_values(name, kbits, key_code, vbits, value_code):
     """v = 2 * e0 rotates like the golden key to y_j = +1 sigma: the 3-bit centroid +0.7560
     sigma (index 5), the 2-bit one +1.5104 sigma (index 3; thresholds 0, +-0.9816 sigma); its
     norm 2.0 (fp16 0x4000) follows the packed codes. Norm-corrected, it decodes to 2 * e0."""
@@ -262,7 +268,9 @@ def test_golden_slot_bytes_mse_values(name, vbits, value_code):
     v[..., 0] = 2.0
     codec = TurboQuantCodec(name, d)
     slot = codec.encode(k, v)["kv"][0, 0].tolist()
-    expected = stream([11] * d, 4) + fp16(3.0) + stream([value_code] * d, vbits) + fp16(2.0)
+    expected = (
+        stream([key_code] * d, kbits) + fp16(3.0) + stream([value_code] * d, vbits) + fp16(2.0)
+    )
     assert slot == expected
     decoded = codec.decode({"kv": torch.tensor([[slot]], dtype=torch.uint8)})[1]
     torch.testing.assert_close(decoded, v, atol=1e-6, rtol=0)

@@ -22,6 +22,11 @@ def _log_probs(logits) -> torch.Tensor:
     return torch.log_softmax(torch.as_tensor(logits).double(), dim=-1)
 
 
+def log_probs(logits) -> torch.Tensor:
+    """Next-token log-probabilities in float64 of a chunk's ``logits [n, vocab]``: [n-1, vocab]."""
+    return _log_probs(torch.as_tensor(logits)[:-1])
+
+
 @dataclass
 class Totals:
     """Sums over predictions; ``compare`` sums exist only for runs given a baseline."""

@@ -302,6 +302,13 @@ def bench_report(
             "GenAI and llama.cpp): its section, plot and goals."
         ),
     ] = None,
+    speed_json: Annotated[
+        Path | None,
+        typer.Option(
+            help="Reuse the speed section of a report's results.json instead of measuring it "
+            "again (regenerating a report from new quality runs)."
+        ),
+    ] = None,
     kernels: Annotated[
         str,
         typer.Option(
@@ -336,9 +343,20 @@ def bench_report(
                 f"--peer-speed-json {peer_speed_json} is not the output of "
                 "`benchmarks/peers_speed.py --json`"
             ) from None
-    run_speed = matrix.plan_speed(  # checked before the quality runs
-        model, None, contexts, batches, 4, DEFAULT_KV_CACHE_MEMORY, workdir, "0,32", kernels
-    )
+    if speed_json is not None:
+        try:
+            kept = json.loads(speed_json.read_text())["speed"]
+            kept["decode"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise TQExportError(
+                f"--speed-json {speed_json} is not a `bench report` results.json with a speed "
+                "section"
+            ) from None
+        run_speed = lambda say: kept  # noqa: E731 - the section as it was measured
+    else:
+        run_speed = matrix.plan_speed(  # checked before the quality runs
+            model, None, contexts, batches, 4, DEFAULT_KV_CACHE_MEMORY, workdir, "0,32", kernels
+        )
     if quality_json:
         parts = []
         for path in quality_json:

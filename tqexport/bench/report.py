@@ -7,7 +7,7 @@ import os
 import platform
 from pathlib import Path
 
-from tqexport.bench import speed_report
+from tqexport.bench import budget_report, speed_report
 from tqexport.bench.markdown import table as md_table
 
 
@@ -184,6 +184,8 @@ def goals(
             "detail": f"largest relative gap {100 * worst:.2f}% (whole blocks and the null block)",
         })  # fmt: skip
     out += long_window_goals(sections) if sections else []
+    out += budget_report.budget_goals(budget_report.budget_rows(
+        [(s["quality"]["chunking"], s["rows"]) for s in sections]))  # fmt: skip
     return out + (speed_report.peer_speed_goals(peer_speed) if peer_speed else [])
 
 
@@ -395,6 +397,9 @@ def markdown(results: dict) -> str:
         parts += speed_report.speed_markdown(speed)
     if results.get("peer_speed"):
         parts += speed_report.peer_speed_markdown(results["peer_speed"])
+    parts += budget_report.budget_markdown(
+        budget_report.budget_rows(budget_report.sections_of(results))
+    )
     parts += ["", "## Goals", ""]
     for g in results["goals"]:
         verdict = {True: "MET", False: "NOT MET", None: "NOT MEASURED"}[g["met"]]
@@ -413,6 +418,10 @@ def write(out_dir: Path, results: dict) -> list[Path]:
     for sec in results.get("quality_windows", []):
         plot_quality(sec["rows"], out_dir / _plot_name(sec))
         files.append(out_dir / _plot_name(sec))
+    budgets = budget_report.budget_rows(budget_report.sections_of(results))
+    if budgets:
+        budget_report.plot_budgets(budgets, out_dir / budget_report.PLOT)
+        files.append(out_dir / budget_report.PLOT)
     if results.get("speed"):
         plot_decode(
             results["speed"]["decode"],

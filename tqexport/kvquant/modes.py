@@ -194,6 +194,14 @@ KV_CACHE_DTYPES: dict[str, KVCacheDType] = {
             "tqexport-native TurboQuant: 4-bit keys, 2-bit values quantized like keys (rotated, "
             "Lloyd-Max, fp16 norm; both norm-corrected)",
         ),
+        _entry(
+            "tqx_k3v2_mse",
+            _M.TURBOQUANT,
+            "slot",
+            None,
+            "tqexport-native TurboQuant: 3-bit keys, 2-bit values quantized like keys (rotated, "
+            "Lloyd-Max, fp16 norm; both norm-corrected)",
+        ),
     )
 }
 

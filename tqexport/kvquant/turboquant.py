@@ -101,6 +101,7 @@ PRESETS: dict[str, TurboQuantPreset] = {
         # tqexport-native: values quantized like keys (rotated, Lloyd-Max, fp16 norm)
         TurboQuantPreset("tqx_k4v3_mse", 4, 3, True, value_mse=True),
         TurboQuantPreset("tqx_k4v2_mse", 4, 2, True, value_mse=True),
+        TurboQuantPreset("tqx_k3v2_mse", 3, 2, True, value_mse=True),
     )
 }
 
