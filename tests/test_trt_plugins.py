@@ -81,7 +81,7 @@ def test_one_plugin_per_op_cache_arity_and_recent_window():
         "PagedAttentionKVRecent": ("PagedAttention", 2, "Recent"),
         "PagedAttentionKVRecentSink": ("PagedAttention", 2, "RecentSink"),
     }  # fmt: skip
-    assert [contract.num_cache_tensors(attrs(n)) for n in NAMES] == [2, 2, 2] + [1] * 8
+    assert [contract.num_cache_tensors(attrs(n)) for n in NAMES] == [2, 2, 2] + [1] * 9
     assert list(contract.attrs_of("PagedAttentionKVRecent"))[-3:] == [
         "recent_window", "variant", "layer"]  # fmt: skip
     assert list(contract.attrs_of("PagedAttentionKVRecentSink"))[-4:] == [
