@@ -18,7 +18,7 @@ The table file (JSON, ``format`` ``tqexport-kv-calibration``, ``version`` 1)::
      "baseline_ppl": float, "elapsed_seconds": float}
 
 The bits each candidate takes are not stored: they follow from the model and the candidate
-(:func:`layer_bits`), so a table never disagrees with the codecs.
+(:func:`tqexport.storage_bits.layer_bits`), so a table never disagrees with the codecs.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 
 from tqexport.errors import TQExportError
@@ -68,21 +67,6 @@ def parse_candidates(text: str) -> tuple[str, ...]:
     if len(set(out)) != len(out):
         raise TQExportError(f"--candidates {text!r} names a candidate twice; give each once")
     return tuple(out)
-
-
-def layer_bits(spec, pos: int) -> Fraction:
-    """Bits per token that layer ``pos`` of ``spec`` stores, all in (exact), as ``bench quality``
-    counts them: its cache and recent window, each amortized over 4096 tokens where it holds
-    only a window (unquantized storage at 16 bits)."""
-    from tqexport.storage_bits import layer_bits as stored_bits
-
-    return stored_bits(spec, spec.layers[pos], 16)
-
-
-def layer_elements(spec, pos: int) -> int:
-    """K and V elements per token of layer ``pos`` (the denominator of bits per element)."""
-    c = spec.layers[pos].cache
-    return 2 * c.num_kv_heads * c.head_size
 
 
 @dataclass(frozen=True)
