@@ -54,6 +54,21 @@ def test_totals_match_direct_computation(monkeypatch, rows_per_block):
     assert same.summary()["kl"] == pytest.approx(0, abs=1e-15) and same.summary()["top1"] == 1.0
 
 
+def test_totals_added_by_rows_equal_the_whole_chunk():
+    # a chunk added one prefill step at a time (rows 0-4, 5-9, 10-11; the last row predicts
+    # nothing) sums exactly what the whole chunk does
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 30, (12,), generator=g).tolist()
+    base, run = torch.randn(12, 30, generator=g), torch.randn(12, 30, generator=g)
+    whole, pieces = Totals(), Totals()
+    whole.add(run, ids, base)
+    for start, stop in ((0, 5), (5, 10), (10, 12)):
+        pieces.add_rows(run[start:stop], ids[start + 1 : stop + 1], base[start:stop])
+    assert (pieces.count, pieces.compared, pieces.top1) == (11, 11, whole.top1)
+    assert pieces.nll == pytest.approx(whole.nll, rel=1e-14)
+    assert pieces.kl == pytest.approx(whole.kl, rel=1e-12)
+
+
 def test_chunking_and_text_identity(tmp_path):
     assert evaltext.chunk_tokens(list(range(10)), 4, 5) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert evaltext.chunk_tokens(list(range(10)), 4, 1) == [[0, 1, 2, 3]]
@@ -102,11 +117,14 @@ def _fake_quant_attention(codec_for_layer, recent_window=0):
 
 
 @pytest.mark.parametrize(
-    "kv_dtype,recent",
-    [("auto", 0), ("fp8", 0), ("turboquant_4bit_nc", 0), ("int4_per_token_head", 0),
-     ("turboquant_4bit_nc", 8)],
+    "kv_dtype,recent,step",
+    [("auto", 0, 512), ("fp8", 0, 512), ("turboquant_4bit_nc", 0, 512),
+     ("int4_per_token_head", 0, 512), ("turboquant_4bit_nc", 8, 512),
+     ("fp8", 0, 20), ("turboquant_4bit_nc", 8, 20)],
 )  # fmt: skip
-def test_paged_perplexity_matches_direct_computation(kv_dtype, recent):
+def test_paged_perplexity_matches_direct_computation(monkeypatch, kv_dtype, recent, step):
+    # step 20: each 48-token chunk is prefilled and scored in steps of 20, 20 and 8 tokens
+    monkeypatch.setattr(quality, "SCORE_STEP_TOKENS", step)
     text = evaltext.EvalText("bytes", "".join(chr(32 + (i * 7919) % 90) for i in range(200)))
     config = quality.Config(kv_dtype, boundary=False, recent_window=recent)
     res, chunks = quality.evaluate(

@@ -379,3 +379,19 @@ def test_executor_rejects_prompts_beyond_the_position_limit(artifacts):
         "(max_position_embeddings)"
     )
     assert no_room.finish_reason.startswith("rejected: a prompt of 36 tokens plus max_tokens 10")
+
+
+def test_score_steps_stream_one_prefill_step_at_a_time(artifacts):
+    """score_steps yields each prefill step's rows (steps of max_num_batched_tokens); together
+    they are score(), and the blocks come back whether the steps are read to the end or not."""
+    art = open_artifact(artifacts("tiny-llama", "turboquant_4bit_nc"))
+    ex = Executor(art, "torch", num_blocks=16, max_num_batched_tokens=16)
+    ids = prompts(5)[4]  # 40 tokens: steps of 16, 16 and 8
+    steps = list(ex.score_steps(ids))
+    assert [s.shape[0] for s in steps] == [16, 16, 8] and ex.blocks.used_blocks() == [0]
+    assert torch.equal(torch.cat(steps), ex.score(ids))
+    partial = ex.score_steps(ids)
+    next(partial)
+    assert ex.blocks.used_blocks() == [-(-16 // art.spec.block_size)]  # the first step's
+    partial.close()
+    assert ex.blocks.used_blocks() == [0] and ex.scheduler.idle

@@ -39,7 +39,13 @@ class Totals:
 
     def add(self, logits, tokens: list[int], base_logits=None) -> None:
         """One chunk: ``logits [n, vocab]`` for its ``n`` tokens (and the baseline's)."""
-        targets = torch.as_tensor(tokens[1:], dtype=torch.int64)
+        self.add_rows(logits, tokens[1:], base_logits)
+
+    def add_rows(self, logits, targets: list[int], base_logits=None) -> None:
+        """Predictions ``logits[i] -> targets[i]`` (and the baseline's logits for the same rows);
+        rows past ``targets`` predict nothing (a chunk's last position). A long window is added
+        one prefill step's rows at a time."""
+        targets = torch.as_tensor(targets, dtype=torch.int64)
         for start in range(0, len(targets), ROWS_PER_BLOCK):
             rows = slice(start, min(start + ROWS_PER_BLOCK, len(targets)))
             lp = _log_probs(logits[rows])

@@ -127,6 +127,23 @@ def _source_model(spec_or_model):
     return load_model(spec_or_model, "float32")
 
 
+def _score_chunk(ids: list[int], base: Run, runs: list[Run]) -> None:
+    """Add one chunk to every run's totals, one prefill step at a time: a step holds the
+    baseline's and one run's logits (a 4096-token window of a 262k vocabulary would be
+    4.3 GB of float32 logits per run)."""
+    run_steps = [run.executor.score_steps(ids) for run in runs]
+    start = 0
+    for ref in base.executor.score_steps(ids):
+        targets = ids[start + 1 : start + 1 + len(ref)]
+        base.totals.add_rows(ref, targets, ref)
+        for run, steps in zip(runs, run_steps, strict=True):
+            run.totals.add_rows(next(steps), targets, ref)
+        start += len(ref)
+    for steps in run_steps:
+        if next(steps, None) is not None:  # finishes the run's last step (frees its blocks)
+            raise RuntimeError("a run was prefilled in more steps than the baseline")
+
+
 def evaluate(
     target: str,
     configs: list[Config],
@@ -165,10 +182,7 @@ def evaluate(
         spec, _ = resolve_spec(model_name, lm, c.build_options())
         runs.append(Run(c, spec, _executor(spec, "torch", chunk, lm=lm), "torch"))
     for i, ids in enumerate(chunks):
-        ref = base.executor.score(ids)
-        base.totals.add(ref, ids, ref)
-        for run in runs:
-            run.totals.add(run.executor.score(ids), ids, ref)
+        _score_chunk(ids, base, runs)
         progress(i + 1, len(chunks))
     results = {
         "model": model_name,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -204,33 +204,42 @@ class Executor:
         return seqs
 
     def score(self, tokens: list[int]) -> torch.Tensor:
-        """Logits ``[len(tokens), vocab]`` at every position of one sequence.
+        """Logits ``[len(tokens), vocab]`` at every position of one sequence (see
+        :meth:`score_steps`)."""
+        return torch.cat(list(self.score_steps(tokens)))
+
+    def score_steps(self, tokens: list[int]) -> Iterator[torch.Tensor]:
+        """Every position's logits of one sequence, one prefill step's rows at a time.
 
         The tokens are prefilled through the paged caches in steps of at most
         ``max_num_batched_tokens``, each asking the graph for every position's logits, so each
-        token attends to cache entries stored in its layer's format. The blocks are freed after.
+        token attends to cache entries stored in its layer's format. A caller scoring a long
+        window holds one step's logits, not the window's. The blocks are freed after the last
+        step (or when the iterator is closed).
         """
         if not self.scheduler.idle:
             raise RuntimeError("score() runs on an idle executor (requests are being served)")
-        seq = Sequence(self._next_id, list(tokens), SamplingParams(max_tokens=1))
-        self._next_id += 1
         if not tokens or not self.blocks.fits_ever(len(tokens)):
             raise TQExportError(
                 f"a text of {len(tokens)} tokens does not fit in the cache "
                 f"({self.num_blocks - 1} blocks); raise --num-blocks or --kv-cache-memory"
             )
-        rows = []
+        seq = Sequence(self._next_id, list(tokens), SamplingParams(max_tokens=1))
+        self._next_id += 1
+        return self._prefill_steps(seq)
+
+    def _prefill_steps(self, seq: Sequence) -> Iterator[torch.Tensor]:
+        tokens = seq.prompt
         try:
             for start in range(0, len(tokens), self.scheduler.max_tokens):
                 piece = tokens[start : start + self.scheduler.max_tokens]
                 self.blocks.grow(seq, start + len(piece))
                 tables = [list(t) for t in seq.block_tables]
-                rows.append(
-                    self.backend.run(build_step(self.spec, [SeqChunk(piece, start, tables, "all")]))
+                yield self.backend.run(
+                    build_step(self.spec, [SeqChunk(piece, start, tables, "all")])
                 )
                 seq.num_cached = start + len(piece)
                 self.steps += 1
         finally:
             if seq.block_tables:
                 self.blocks.free(seq)
-        return torch.cat(rows)
