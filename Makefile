@@ -113,21 +113,24 @@ bench: install
 
 # Quality per real model beside SmolLM2's report (docs/report/models.md, which names where a
 # SmolLM2 winner loses): Gemma 3 270M (Gemma terms of use) and Qwen2.5 Coder 0.5B on their own
-# GGUFs against llama.cpp, one 1024-token window each (their 262k / 152k vocabularies make a
-# window cost ~10x SmolLM2's); --skip-layers sw on Gemma's sliding layers.
+# GGUFs against llama.cpp, one window of 1024 and one of 4096 tokens each (their 262k / 152k
+# vocabularies make a window cost ~10x SmolLM2's); --skip-layers sw on Gemma's sliding layers.
 MODEL_QUALITY := $(BIN)/tqexport bench quality --chunks 1 --json
+MODEL_WINDOWS := 1024 4096
 VLLM_TQ := turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc
 NATIVE_45 := tqx_k4v3_mse --boundary off --recent-window 184 --kv-sink-tokens 8 --kv-key-transform center
 NATIVE_35 := tqx_k4v2_mse --boundary off --recent-window 60 --kv-sink-tokens 4 --kv-key-transform center
 
 bench-models: install
-	for m in gemma3-270m qwen2.5-coder-0.5b; do mkdir -p $(REPORT_DIR)/$$m && \
-	$(MODEL_QUALITY) $$m --kv-cache-dtype fp8 > $(REPORT_DIR)/$$m/quality.json && \
-	$(MODEL_QUALITY) $$m --kv-cache-dtype $(VLLM_TQ) --no-peer > $(REPORT_DIR)/$$m/quality_vllm.json && \
-	$(MODEL_QUALITY) $$m --kv-cache-dtype $(NATIVE_45) --no-peer > $(REPORT_DIR)/$$m/quality_mse45.json && \
-	$(MODEL_QUALITY) $$m --kv-cache-dtype $(NATIVE_35) --no-peer > $(REPORT_DIR)/$$m/quality_mse35.json \
-	|| exit 1; done
-	$(MODEL_QUALITY) gemma3-270m --kv-cache-dtype turboquant_4bit_nc,turboquant_3bit_nc --skip-layers sw --no-peer > $(REPORT_DIR)/gemma3-270m/quality_sw.json
+	for m in gemma3-270m qwen2.5-coder-0.5b; do for w in $(MODEL_WINDOWS); do \
+	q="$(MODEL_QUALITY) $$m --chunk $$w" d=$(REPORT_DIR)/$$m; mkdir -p $$d && \
+	$$q --kv-cache-dtype fp8 > $$d/quality_$$w.json && \
+	$$q --kv-cache-dtype $(VLLM_TQ) --no-peer > $$d/quality_vllm_$$w.json && \
+	$$q --kv-cache-dtype turboquant_4bit_nc --boundary off --no-peer > $$d/quality_noboundary_$$w.json && \
+	$$q --kv-cache-dtype $(NATIVE_45) --no-peer > $$d/quality_mse45_$$w.json && \
+	$$q --kv-cache-dtype $(NATIVE_35) --no-peer > $$d/quality_mse35_$$w.json \
+	|| exit 1; done; done
+	for w in $(MODEL_WINDOWS); do $(MODEL_QUALITY) gemma3-270m --chunk $$w --kv-cache-dtype turboquant_4bit_nc,turboquant_3bit_nc --skip-layers sw --no-peer > $(REPORT_DIR)/gemma3-270m/quality_sw_$$w.json || exit 1; done
 	$(BIN)/python -m tqexport.bench.model_report $(REPORT_DIR) gemma3-270m qwen2.5-coder-0.5b
 
 # The calibration tables `make bench` reads (committed in docs/report; CPU minutes each)

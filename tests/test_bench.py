@@ -56,17 +56,21 @@ def test_totals_match_direct_computation(monkeypatch, rows_per_block):
 
 def test_totals_added_by_rows_equal_the_whole_chunk():
     # a chunk added one prefill step at a time (rows 0-4, 5-9, 10-11; the last row predicts
-    # nothing) sums exactly what the whole chunk does
+    # nothing), against raw baseline logits or a Baseline, sums what the whole chunk does
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 30, (12,), generator=g).tolist()
     base, run = torch.randn(12, 30, generator=g), torch.randn(12, 30, generator=g)
-    whole, pieces = Totals(), Totals()
+    whole, pieces, precomputed = Totals(), Totals(), Totals()
     whole.add(run, ids, base)
     for start, stop in ((0, 5), (5, 10), (10, 12)):
-        pieces.add_rows(run[start:stop], ids[start + 1 : stop + 1], base[start:stop])
-    assert (pieces.count, pieces.compared, pieces.top1) == (11, 11, whole.top1)
-    assert pieces.nll == pytest.approx(whole.nll, rel=1e-14)
-    assert pieces.kl == pytest.approx(whole.kl, rel=1e-12)
+        targets = ids[start + 1 : stop + 1]
+        pieces.add_rows(run[start:stop], targets, base[start:stop])
+        ref = metrics.Baseline(base[start:stop], len(targets))
+        precomputed.add_rows(run[start:stop], targets, ref)
+    for t in (pieces, precomputed):
+        assert (t.count, t.compared, t.top1) == (11, 11, whole.top1)
+        assert t.nll == pytest.approx(whole.nll, rel=1e-14)
+        assert t.kl == pytest.approx(whole.kl, rel=1e-12)
 
 
 def test_chunking_and_text_identity(tmp_path):

@@ -27,6 +27,27 @@ def log_probs(logits) -> torch.Tensor:
     return _log_probs(torch.as_tensor(logits)[:-1])
 
 
+class Baseline:
+    """The baseline's float64 next-token log-probabilities, probabilities and top-1 of some rows,
+    computed once for every run compared with them (a quality run compares several configurations
+    with one baseline a prefill step at a time; raw baseline logits are converted per run)."""
+
+    def __init__(self, logits, rows: int):
+        self.log_probs = _log_probs(torch.as_tensor(logits)[:rows])
+        self.probs = self.log_probs.exp()
+        self.top1 = self.log_probs.argmax(-1)
+
+    def block(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.log_probs[rows], self.probs[rows], self.top1[rows]
+
+
+def _baseline_block(base, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if isinstance(base, Baseline):
+        return base.block(rows)
+    bp = _log_probs(base[rows])
+    return bp, bp.exp(), bp.argmax(-1)
+
+
 @dataclass
 class Totals:
     """Sums over predictions; ``compare`` sums exist only for runs given a baseline."""
@@ -42,18 +63,18 @@ class Totals:
         self.add_rows(logits, tokens[1:], base_logits)
 
     def add_rows(self, logits, targets: list[int], base_logits=None) -> None:
-        """Predictions ``logits[i] -> targets[i]`` (and the baseline's logits for the same rows);
-        rows past ``targets`` predict nothing (a chunk's last position). A long window is added
-        one prefill step's rows at a time."""
+        """Predictions ``logits[i] -> targets[i]`` (and the baseline's logits, or its
+        :class:`Baseline`, for the same rows); rows past ``targets`` predict nothing (a chunk's
+        last position). A long window is added one prefill step's rows at a time."""
         targets = torch.as_tensor(targets, dtype=torch.int64)
         for start in range(0, len(targets), ROWS_PER_BLOCK):
             rows = slice(start, min(start + ROWS_PER_BLOCK, len(targets)))
             lp = _log_probs(logits[rows])
             self.nll -= float(lp.gather(1, targets[rows, None]).sum())
             if base_logits is not None:
-                bp = _log_probs(base_logits[rows])
-                self.kl += float((bp.exp() * (bp - lp)).sum())
-                self.top1 += int((bp.argmax(-1) == lp.argmax(-1)).sum())
+                bp, p, top1 = _baseline_block(base_logits, rows)
+                self.kl += float((p * (bp - lp)).sum())
+                self.top1 += int((top1 == lp.argmax(-1)).sum())
         self.count += len(targets)
         if base_logits is not None:
             self.compared += len(targets)

@@ -20,7 +20,7 @@ from tqexport.contract.artifact import Artifact, open_artifact
 from tqexport.errors import TQExportError
 from tqexport.export.artifact import BuildOptions, resolve_spec
 from tqexport.kvquant.modes import parse_kv_cache_dtype
-from tqexport.metrics import Totals
+from tqexport.metrics import Baseline, Totals
 from tqexport.runtime.executor import Executor
 from tqexport.spec import ModelSpec
 from tqexport.storage_bits import bits_per_element
@@ -129,16 +129,17 @@ def _source_model(spec_or_model):
 
 def _score_chunk(ids: list[int], base: Run, runs: list[Run]) -> None:
     """Add one chunk to every run's totals, one prefill step at a time: a step holds the
-    baseline's and one run's logits (a 4096-token window of a 262k vocabulary would be
-    4.3 GB of float32 logits per run)."""
+    baseline's distributions and one run's logits (a 4096-token window of a 262k vocabulary
+    would be 4.3 GB of float32 logits per run)."""
     run_steps = [run.executor.score_steps(ids) for run in runs]
     start = 0
-    for ref in base.executor.score_steps(ids):
-        targets = ids[start + 1 : start + 1 + len(ref)]
-        base.totals.add_rows(ref, targets, ref)
+    for logits in base.executor.score_steps(ids):
+        targets = ids[start + 1 : start + 1 + len(logits)]
+        ref = Baseline(logits, len(targets))
+        base.totals.add_rows(logits, targets, ref)
         for run, steps in zip(runs, run_steps, strict=True):
             run.totals.add_rows(next(steps), targets, ref)
-        start += len(ref)
+        start += len(logits)
     for steps in run_steps:
         if next(steps, None) is not None:  # finishes the run's last step (frees its blocks)
             raise RuntimeError("a run was prefilled in more steps than the baseline")
