@@ -126,7 +126,6 @@ bench-models: install
 	q="$(MODEL_QUALITY) $$m --chunk $$w" d=$(REPORT_DIR)/$$m; mkdir -p $$d && \
 	$$q --kv-cache-dtype fp8 > $$d/quality_$$w.json && \
 	$$q --kv-cache-dtype $(VLLM_TQ) --no-peer > $$d/quality_vllm_$$w.json && \
-	$$q --kv-cache-dtype turboquant_4bit_nc --boundary off --no-peer > $$d/quality_noboundary_$$w.json && \
 	$$q --kv-cache-dtype $(NATIVE_45) --no-peer > $$d/quality_mse45_$$w.json && \
 	$$q --kv-cache-dtype $(NATIVE_35) --no-peer > $$d/quality_mse35_$$w.json \
 	|| exit 1; done; done
