@@ -21,6 +21,7 @@ namespace {
 
 using attn::kNegInf;
 constexpr int kKeyTile = 32;
+constexpr int kQueryBlockRows = attn::kQueryBlock;  // queries of an item, at most
 
 enum class Kind { Main, Recent, Sink };
 
@@ -146,7 +147,7 @@ inline void accumulate(float* __restrict acc, float corr, const float* __restric
 }
 
 // the same over a row of d: values v_j = v + j * stride (the tile: stride d)
-inline void accumulate_row(float* acc, float corr, const float* p, const float* v, int n, int d,
+__attribute__((noinline)) void accumulate_row(float* acc, float corr, const float* p, const float* v, int n, int d,
                            int64_t stride) {
   int c = 0;
   for (; c + 64 <= d; c += 64) accumulate<64>(acc + c, corr, p, v + c, n, stride);
@@ -185,10 +186,10 @@ struct Rows {
 
 struct Scratch {
   std::vector<float> keys, values, scores, corr;
-  std::vector<uint8_t> seen, live;
+  std::vector<uint8_t> live;
   Scratch(int rows, int d)
       : keys(size_t(kKeyTile) * d), values(size_t(kKeyTile) * d),
-        scores(size_t(rows) * kKeyTile), corr(rows), seen(size_t(rows) * kKeyTile), live(rows) {}
+        scores(size_t(rows) * kKeyTile), corr(rows), live(rows) {}
 };
 
 // Asks for the cache lines of `heads` adjacent (token, head)s from `th` ahead of their use
@@ -202,13 +203,19 @@ inline void prefetch_slots(const CacheView& c, int64_t th, int64_t heads) {
   }
 }
 
+// The keys of a tile each query of an item sees (per query: kKeyTile flags, and whether any).
+struct Visible {
+  uint8_t seen[kQueryBlockRows][kKeyTile];
+  bool any[kQueryBlockRows];
+};
+
 // One tile of keys p0 .. p0 + nk - 1 (token[j]: key j's slot for the item's first kv head, -1
-// where the sequence holds no such key) for kv head hh of the item, whose rows are
-// r0 .. r0 + nr - 1: decode the keys, score the rows against them, decode the values the rows
-// use, accumulate them per row.
+// where the sequence holds no such key; vis: which keys each query sees) for kv head hh of the
+// item, whose rows are r0 .. r0 + nr - 1: decode the keys, score the rows against them, decode
+// the values the rows use, accumulate them per row.
 template <Mode M>
-void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int64_t p0, int nk,
-               const int64_t* token, int64_t hh, const int64_t* pos, Rows& rows, int r0, int nr,
+void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int nk,
+               const int64_t* token, int64_t hh, const Visible& vis, Rows& rows, int r0, int nr,
                Scratch& sc) {
   const Format& fmt = *src.format;
   const int d = s.head_size, groups = s.num_heads / s.kv_heads;
@@ -244,25 +251,12 @@ void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int64_
   }
   bool used[kKeyTile] = {};
   for (int r = r0; r < r0 + nr; ++r) {
-    const int64_t P = pos[(r - r0) / groups];
+    const int tq = (r - r0) / groups;
     const float* q = main ? &rows.qm[size_t(r) * d] : &rows.q[size_t(r) * d];
     float* pr = &sc.scores[size_t(r) * kKeyTile];
-    uint8_t* sn = &sc.seen[size_t(r) * kKeyTile];
-    bool any = false;
-    for (int j = 0; j < nk; ++j) {
-      const int64_t p = p0 + j;
-      bool ok = real[j] && p <= P && (s.window == 0 || p > P - s.window);
-      if (kind == Kind::Main)
-        ok = ok && p >= s.sink_tokens && (s.recent_window == 0 || p <= P - s.recent_window);
-      else if (kind == Kind::Recent)
-        ok = ok && p >= s.sink_tokens && p > P - s.recent_window;
-      else
-        ok = ok && p < s.sink_tokens;
-      sn[j] = ok;
-      any = any || ok;
-    }
-    sc.live[r] = any;
-    if (!any) continue;
+    const uint8_t* sn = vis.seen[tq];
+    sc.live[r] = vis.any[tq];
+    if (!vis.any[tq]) continue;
     dots(krow, q, nk, d, pr);  // keys a row does not see: any value, dropped below
     float mt = kNegInf;
     for (int j = 0; j < nk; ++j) {
@@ -290,6 +284,8 @@ void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int64_
   }
   ValueRuns runs;
   const int64_t stride = int64_t(s.kv_heads) * d;
+  const bool affine = value_codes_affine<M>(fmt);
+  float vscale[kKeyTile], voffset[kKeyTile];
   for (int j = 0; j < nk; ++j) {  // keys no row sees weigh 0: their values must be finite
     const float* row = used[j] ? cache_row<M>(fmt, src.view, 1, th[j]) : nullptr;
     const float* last = runs.n ? runs.base[runs.n - 1] : nullptr;
@@ -299,10 +295,14 @@ void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int64_
       runs.base[runs.n++] = row;
     }
     if (row) continue;
-    if (used[j])
-      decode_value<M>(fmt, src.view, th[j], vtile + size_t(j) * d);
-    else
+    vscale[j] = 1.0f;
+    voffset[j] = 0.0f;
+    if (!used[j])
       std::fill_n(vtile + size_t(j) * d, d, 0.0f);
+    else if (affine)
+      decode_value_codes<M>(fmt, src.view, th[j], vtile + size_t(j) * d, vscale[j], voffset[j]);
+    else
+      decode_value<M>(fmt, src.view, th[j], vtile + size_t(j) * d);
   }
   runs.start[runs.n] = nk;
   for (int r = r0; r < r0 + nr; ++r) {
@@ -310,6 +310,16 @@ void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int64_
     float* acc = main ? &rows.accm[size_t(r) * d] : &rows.acc[size_t(r) * d];
     const float* p = &sc.scores[size_t(r) * kKeyTile];
     float corr = sc.corr[r];
+    if (affine) {  // sum_j p_j (c_j s_j + o_j) = sum_j (p_j s_j) c_j + sum_j p_j o_j
+      float w[kKeyTile], offset = 0.0f;
+      for (int j = 0; j < nk; ++j) {
+        w[j] = p[j] * vscale[j];
+        offset += p[j] * voffset[j];
+      }
+      accumulate_row(acc, corr, w, vtile, nk, d, d);
+      for (int i = 0; i < d; ++i) acc[i] += offset;
+      continue;
+    }
     for (int k = 0; k < runs.n; ++k, corr = 1.0f) {
       const int a = runs.start[k], n = runs.start[k + 1] - a;
       if (runs.base[k])
@@ -339,7 +349,9 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
     if (block == 0 || p >= seq_len) return -1;
     return ((int64_t(block) * s.block_size + p % s.block_size) * s.kv_heads) + it.h0;
   };
+  const int queries = static_cast<int>(it.q1 - it.q0);
   int64_t token[kKeyTile];
+  Visible vis;
   for (int64_t p0 = lo; p0 <= hi; p0 += kKeyTile) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeyTile, hi - p0 + 1));
     for (int64_t p = p0 + kKeyTile; p <= std::min(hi, p0 + 2 * kKeyTile - 1); ++p) {
@@ -347,8 +359,25 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
       if (t >= 0) prefetch_slots(src.view, t, heads);
     }
     for (int j = 0; j < nk; ++j) token[j] = slot(p0 + j);
+    for (int tq = 0; tq < queries; ++tq) {  // shared by the query's heads
+      const int64_t P = pos[tq];
+      bool any = false;
+      for (int j = 0; j < nk; ++j) {
+        const int64_t p = p0 + j;
+        bool ok = token[j] >= 0 && p <= P && (s.window == 0 || p > P - s.window);
+        if (kind == Kind::Main)
+          ok = ok && p >= s.sink_tokens && (s.recent_window == 0 || p <= P - s.recent_window);
+        else if (kind == Kind::Recent)
+          ok = ok && p >= s.sink_tokens && p > P - s.recent_window;
+        else
+          ok = ok && p < s.sink_tokens;
+        vis.seen[tq][j] = ok;
+        any = any || ok;
+      }
+      vis.any[tq] = any;
+    }
     for (int64_t hh = 0; hh < heads; ++hh)
-      head_tile<M>(s, kind, src, p0, nk, token, hh, pos, rows, static_cast<int>(hh) * head_rows,
+      head_tile<M>(s, kind, src, nk, token, hh, vis, rows, static_cast<int>(hh) * head_rows,
                    head_rows, sc);
   }
 }
