@@ -147,8 +147,9 @@ inline void accumulate(float* __restrict acc, float corr, const float* __restric
 }
 
 // the same over a row of d: values v_j = v + j * stride (the tile: stride d)
-__attribute__((noinline)) void accumulate_row(float* acc, float corr, const float* p, const float* v, int n, int d,
-                           int64_t stride) {
+// (out of line: inlined into the tile loop, its sums were spilled to the stack)
+__attribute__((noinline)) void accumulate_row(float* acc, float corr, const float* p,
+                                              const float* v, int n, int d, int64_t stride) {
   int c = 0;
   for (; c + 64 <= d; c += 64) accumulate<64>(acc + c, corr, p, v + c, n, stride);
   for (; c + 16 <= d; c += 16) accumulate<16>(acc + c, corr, p, v + c, n, stride);
