@@ -1,6 +1,8 @@
 // Paged attention over one layer's cache: the step, its work items, and the merge of splits.
-// Work items are (sequence, kv head, block of queries, split of the keys); each is run by the
-// kernel compiled for this CPU (attention_kernel.cc, built once per instruction set).
+// Work items are (sequence, kv heads, block of queries, split of the keys): prefill items take
+// one kv head, decode items every kv head (a token's slots lie side by side, so an item reads
+// its split's blocks front to back). Each is run by the kernel compiled for this CPU
+// (attention_kernel.cc, built once per instruction set).
 #pragma once
 
 #include <algorithm>
@@ -37,8 +39,16 @@ struct AttentionStep {
   float* out;      // [T, H, D] fp32
 };
 
+// Rows of an item: per kv head h0..h1-1, per query q0..q1-1, per query head of the group.
 struct Item {
-  int64_t seq, head, q0, q1, k0, k1, part;  // part: index of its partial result, -1 = none
+  int64_t seq, h0, h1, q0, q1, k0, k1, part;  // part: first row of its partial result, -1 = none
+  int64_t rows(int groups) const { return (h1 - h0) * (q1 - q0) * groups; }
+  // (query token, query head) of row r
+  int64_t token(int64_t r, int groups) const { return q0 + r % ((q1 - q0) * groups) / groups; }
+  int64_t head(int64_t r, int groups) const {
+    const int64_t per_head = (q1 - q0) * groups;
+    return (h0 + r / per_head) * groups + r % groups;
+  }
 };
 
 // Runs one item: writes its rows to `out` (part < 0) or their softmax state (m, l, acc, accm
@@ -106,7 +116,7 @@ void paged_attention(const AttentionStep& s, RunItem run_item, ParallelFor&& par
   for (int64_t q = 0; q < s.num_seqs; ++q)
     longest = std::max(longest, s.query_start[q + 1] - s.query_start[q]);
   std::vector<Item> items;
-  int64_t parts = 0;
+  int64_t parts = 0;  // rows of partial results
   for (int64_t q = 0; q < s.num_seqs; ++q) {
     const int64_t q0 = s.query_start[q], q1 = s.query_start[q + 1];
     if (q1 <= q0) continue;
@@ -117,47 +127,54 @@ void paged_attention(const AttentionStep& s, RunItem run_item, ParallelFor&& par
     if (longest == 1 && keys > kSplitKeys)
       splits = static_cast<int>(std::min<int64_t>(kMaxSplits, (keys + kSplitKeys - 1) / kSplitKeys));
     const int64_t per = (keys + splits - 1) / splits;
-    for (int64_t h = 0; h < s.kv_heads; ++h) {
+    const int64_t heads_per_item = longest == 1 ? s.kv_heads : 1;
+    for (int64_t h = 0; h < s.kv_heads; h += heads_per_item) {
       for (int64_t b = q0; b < q1; b += kQueryBlock) {
         const int64_t b1 = std::min(q1, b + kQueryBlock);
+        Item it{q, h, h + heads_per_item, b, b1, 0, std::numeric_limits<int64_t>::max(), -1};
         if (splits == 1) {
-          items.push_back({q, h, b, b1, 0, std::numeric_limits<int64_t>::max(), -1});
+          items.push_back(it);
           continue;
         }
-        for (int k = 0; k < splits; ++k)
-          items.push_back({q, h, b, b1, k * per, std::min(keys, (k + 1) * per), parts++});
+        for (int k = 0; k < splits; ++k) {
+          it.k0 = k * per;
+          it.k1 = std::min(keys, (k + 1) * per);
+          it.part = parts;
+          parts += it.rows(groups);
+          items.push_back(it);
+        }
       }
     }
   }
   const size_t row_floats = 2 + size_t(d) * 2;  // m, l, acc [d], accm [d]
-  std::vector<float> partial(size_t(parts) * groups * row_floats);
+  std::vector<float> partial(size_t(parts) * row_floats);
   parallel_for(items.size(), [&](size_t i) {
     const Item& it = items[i];
-    run_item(s, it, it.part < 0 ? nullptr : &partial[size_t(it.part) * groups * row_floats]);
+    run_item(s, it, it.part < 0 ? nullptr : &partial[size_t(it.part) * row_floats]);
   });
   if (!parts) return;
-  // merge the splits of each (sequence, kv head): they are consecutive items
+  // merge the splits of each (sequence, kv heads): they are consecutive items
   std::vector<float> acc(d), accm(d);
   for (size_t i = 0; i < items.size();) {
     size_t j = i;
     while (j < items.size() && items[j].part >= 0 && items[j].seq == items[i].seq &&
-           items[j].head == items[i].head)
+           items[j].h0 == items[i].h0)
       ++j;
     if (j == i) {
       ++i;
       continue;
     }
     const Item& it = items[i];
-    for (int r = 0; r < groups; ++r) {
+    for (int64_t r = 0; r < it.rows(groups); ++r) {
       float m = kNegInf;
       for (size_t k = i; k < j; ++k)
-        m = std::max(m, partial[(size_t(items[k].part) * groups + r) * row_floats]);
+        m = std::max(m, partial[size_t(items[k].part + r) * row_floats]);
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(accm.begin(), accm.end(), 0.0f);
       float l = 0.0f;
       if (m != kNegInf) {
         for (size_t k = i; k < j; ++k) {
-          const float* p = &partial[(size_t(items[k].part) * groups + r) * row_floats];
+          const float* p = &partial[size_t(items[k].part + r) * row_floats];
           if (p[0] == kNegInf) continue;
           const float c = std::exp(p[0] - m);
           l += p[1] * c;
@@ -165,7 +182,7 @@ void paged_attention(const AttentionStep& s, RunItem run_item, ParallelFor&& par
           for (int e = 0; e < d; ++e) accm[e] += c * p[2 + d + e];
         }
       }
-      finish_row(s, it.q0, it.head * groups + r, l, acc.data(), accm.data());
+      finish_row(s, it.token(r, groups), it.head(r, groups), l, acc.data(), accm.data());
     }
     i = j;
   }

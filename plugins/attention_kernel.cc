@@ -21,6 +21,7 @@ namespace {
 
 using attn::kNegInf;
 constexpr int kKeyTile = 32;
+constexpr int kQueryBlockRows = attn::kQueryBlock;  // queries of an item, at most
 
 enum class Kind { Main, Recent, Sink };
 
@@ -146,8 +147,9 @@ inline void accumulate(float* __restrict acc, float corr, const float* __restric
 }
 
 // the same over a row of d: values v_j = v + j * stride (the tile: stride d)
-inline void accumulate_row(float* acc, float corr, const float* p, const float* v, int n, int d,
-                           int64_t stride) {
+// (out of line: inlined into the tile loop, its sums were spilled to the stack)
+__attribute__((noinline)) void accumulate_row(float* acc, float corr, const float* p,
+                                              const float* v, int n, int d, int64_t stride) {
   int c = 0;
   for (; c + 64 <= d; c += 64) accumulate<64>(acc + c, corr, p, v + c, n, stride);
   for (; c + 16 <= d; c += 16) accumulate<16>(acc + c, corr, p, v + c, n, stride);
@@ -185,29 +187,37 @@ struct Rows {
 
 struct Scratch {
   std::vector<float> keys, values, scores, corr;
-  std::vector<uint8_t> seen, live;
+  std::vector<uint8_t> live;
   Scratch(int rows, int d)
       : keys(size_t(kKeyTile) * d), values(size_t(kKeyTile) * d),
-        scores(size_t(rows) * kKeyTile), corr(rows), seen(size_t(rows) * kKeyTile), live(rows) {}
+        scores(size_t(rows) * kKeyTile), corr(rows), live(rows) {}
 };
 
-// Asks for the cache lines of a (token, head) ahead of its use (blocks lie anywhere in memory:
-// the hardware prefetcher stops at each block's end).
-inline void prefetch_slot(const CacheView& c, int64_t th) {
+// Asks for the cache lines of `heads` adjacent (token, head)s from `th` ahead of their use
+// (blocks lie anywhere in memory: the hardware prefetcher stops at each block's end).
+inline void prefetch_slots(const CacheView& c, int64_t th, int64_t heads) {
   for (int i = 0; i < 6 && c.data[i]; ++i) {
-    const int64_t bytes = int64_t(c.width[i]) * c.elem[i];
-    const uint8_t* a = c.data[i] + th * bytes;
+    const int64_t slot = int64_t(c.width[i]) * c.elem[i], bytes = slot * heads;
+    const uint8_t* a = c.data[i] + th * slot;
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(a + o);
     __builtin_prefetch(a + bytes - 1);
   }
 }
 
-// One segment's keys [lo, hi] for the rows of an item, format M: per tile of keys, decode the
-// keys, score every row against them, decode the values the rows use, accumulate them per row.
+// The keys of a tile each query of an item sees (per query: kKeyTile flags, and whether any).
+struct Visible {
+  uint8_t seen[kQueryBlockRows][kKeyTile];
+  bool any[kQueryBlockRows];
+};
+
+// One tile of keys p0 .. p0 + nk - 1 (token[j]: key j's slot for the item's first kv head, -1
+// where the sequence holds no such key; vis: which keys each query sees) for kv head hh of the
+// item, whose rows are r0 .. r0 + nr - 1: decode the keys, score the rows against them, decode
+// the values the rows use, accumulate them per row.
 template <Mode M>
-void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, int64_t hi,
-                 const int64_t* pos, Rows& rows, Scratch& sc) {
-  const PagedSource& src = kind == Kind::Main ? s.main : s.recent;
+void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int nk,
+               const int64_t* token, int64_t hh, const Visible& vis, Rows& rows, int r0, int nr,
+               Scratch& sc) {
   const Format& fmt = *src.format;
   const int d = s.head_size, groups = s.num_heads / s.kv_heads;
   const bool main = kind == Kind::Main;
@@ -218,119 +228,158 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
   const bool corrected = tile_norm_correction(fmt);
   int64_t th[kKeyTile];
   bool real[kKeyTile];
+  bool any_real = false;
+  for (int j = 0; j < nk; ++j) {
+    real[j] = token[j] >= 0;
+    th[j] = token[j] + hh;
+    kmul[j] = 0.0f;
+    krow[j] = kZeroRow;  // keys that are not real: any finite row (their scores are dropped)
+    if (!real[j]) continue;
+    any_real = true;
+    if (const float* row = cache_row<M>(fmt, src.view, 0, th[j])) {
+      krow[j] = row;
+      kmul[j] = s.scale;
+      continue;
+    }
+    krow[j] = ktile + size_t(j) * d;
+    kmul[j] = decode_key<M>(fmt, src.view, th[j], ktile + size_t(j) * d) * s.scale;
+  }
+  if (!any_real) return;
+  if (corrected) {  // norm correction of the tile's keys at once: scale / |decoded key|
+    float sumsq[kKeyTile];
+    dots(krow, nullptr, nk, d, sumsq);
+    for (int j = 0; j < nk; ++j) kmul[j] = kmul[j] / std::sqrt(sumsq[j] + gen::kNcEps);
+  }
+  bool used[kKeyTile] = {};
+  for (int r = r0; r < r0 + nr; ++r) {
+    const int tq = (r - r0) / groups;
+    const float* q = main ? &rows.qm[size_t(r) * d] : &rows.q[size_t(r) * d];
+    float* pr = &sc.scores[size_t(r) * kKeyTile];
+    const uint8_t* sn = vis.seen[tq];
+    sc.live[r] = vis.any[tq];
+    if (!vis.any[tq]) continue;
+    dots(krow, q, nk, d, pr);  // keys a row does not see: any value, dropped below
+    float mt = kNegInf;
+    for (int j = 0; j < nk; ++j) {
+      float v = pr[j] * kmul[j];
+      if (s.softcap != 0.0f) v = std::tanh(v / s.softcap) * s.softcap;
+      pr[j] = sn[j] ? v : kNegInf;
+      mt = std::max(mt, pr[j]);
+      used[j] = used[j] || sn[j];
+    }
+    const float m_new = std::max(rows.m[r], mt);
+    const float corr = rows.m[r] == kNegInf ? 0.0f : exp_neg(rows.m[r] - m_new);
+    float sum = 0.0f;
+    for (int j = 0; j < nk; ++j) {
+      const float e = exp_neg(pr[j] - m_new);
+      pr[j] = sn[j] ? e : 0.0f;
+      sum += pr[j];
+    }
+    rows.l[r] = rows.l[r] * corr + sum;
+    rows.m[r] = m_new;
+    sc.corr[r] = corr;  // applied to this segment's sums as they accumulate; the other's now:
+    if (corr != 1.0f && s.recent.table) {
+      float* other = main ? &rows.acc[size_t(r) * d] : &rows.accm[size_t(r) * d];
+      for (int i = 0; i < d; ++i) other[i] *= corr;
+    }
+  }
+  ValueRuns runs;
+  const int64_t stride = int64_t(s.kv_heads) * d;
+  const bool affine = value_codes_affine<M>(fmt);
+  float vscale[kKeyTile], voffset[kKeyTile];
+  for (int j = 0; j < nk; ++j) {  // keys no row sees weigh 0: their values must be finite
+    const float* row = used[j] ? cache_row<M>(fmt, src.view, 1, th[j]) : nullptr;
+    const float* last = runs.n ? runs.base[runs.n - 1] : nullptr;
+    const bool joins = runs.n && (row ? last && th[j] == th[j - 1] + s.kv_heads : !last);
+    if (!joins) {
+      runs.start[runs.n] = j;
+      runs.base[runs.n++] = row;
+    }
+    if (row) continue;
+    vscale[j] = 1.0f;
+    voffset[j] = 0.0f;
+    if (!used[j])
+      std::fill_n(vtile + size_t(j) * d, d, 0.0f);
+    else if (affine)
+      decode_value_codes<M>(fmt, src.view, th[j], vtile + size_t(j) * d, vscale[j], voffset[j]);
+    else
+      decode_value<M>(fmt, src.view, th[j], vtile + size_t(j) * d);
+  }
+  runs.start[runs.n] = nk;
+  for (int r = r0; r < r0 + nr; ++r) {
+    if (!sc.live[r]) continue;
+    float* acc = main ? &rows.accm[size_t(r) * d] : &rows.acc[size_t(r) * d];
+    const float* p = &sc.scores[size_t(r) * kKeyTile];
+    float corr = sc.corr[r];
+    if (affine) {  // sum_j p_j (c_j s_j + o_j) = sum_j (p_j s_j) c_j + sum_j p_j o_j
+      float w[kKeyTile], offset = 0.0f;
+      for (int j = 0; j < nk; ++j) {
+        w[j] = p[j] * vscale[j];
+        offset += p[j] * voffset[j];
+      }
+      accumulate_row(acc, corr, w, vtile, nk, d, d);
+      for (int i = 0; i < d; ++i) acc[i] += offset;
+      continue;
+    }
+    for (int k = 0; k < runs.n; ++k, corr = 1.0f) {
+      const int a = runs.start[k], n = runs.start[k + 1] - a;
+      if (runs.base[k])
+        accumulate_row(acc, corr, p + a, runs.base[k], n, d, stride);
+      else
+        accumulate_row(acc, corr, p + a, vtile + size_t(a) * d, n, d, d);
+    }
+  }
+}
+
+// One segment's keys [lo, hi] for the rows of an item, format M: per tile of keys, each kv head
+// of the item in turn (a token's heads are adjacent in the cache: the tile's slots are read
+// front to back).
+template <Mode M>
+void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, int64_t hi,
+                 const int64_t* pos, Rows& rows, Scratch& sc) {
+  const PagedSource& src = kind == Kind::Main ? s.main : s.recent;
   const int32_t* table = src.table + it.seq * src.width;
   const int64_t seq_len = s.seq_lens[it.seq];
-  // flat (token, head) index of key p, or -1 where the sequence holds no such key
+  const int64_t heads = it.h1 - it.h0;
+  const int head_rows = static_cast<int>(rows.n / heads);
+  // flat (token, head) index of key p at the item's first kv head, or -1 where the sequence
+  // holds no such key
   auto slot = [&](int64_t p) -> int64_t {
     const int64_t col = p / s.block_size;
     const int32_t block = col < src.width ? table[col] : 0;
     if (block == 0 || p >= seq_len) return -1;
-    return ((int64_t(block) * s.block_size + p % s.block_size) * s.kv_heads) + it.head;
+    return ((int64_t(block) * s.block_size + p % s.block_size) * s.kv_heads) + it.h0;
   };
+  const int queries = static_cast<int>(it.q1 - it.q0);
+  int64_t token[kKeyTile];
+  Visible vis;
   for (int64_t p0 = lo; p0 <= hi; p0 += kKeyTile) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeyTile, hi - p0 + 1));
     for (int64_t p = p0 + kKeyTile; p <= std::min(hi, p0 + 2 * kKeyTile - 1); ++p) {
       const int64_t t = slot(p);
-      if (t >= 0) prefetch_slot(src.view, t);
+      if (t >= 0) prefetch_slots(src.view, t, heads);
     }
-    bool any_real = false;
-    for (int j = 0; j < nk; ++j) {
-      th[j] = slot(p0 + j);
-      real[j] = th[j] >= 0;
-      kmul[j] = 0.0f;
-      krow[j] = kZeroRow;  // keys that are not real: any finite row (their scores are dropped)
-      if (!real[j]) continue;
-      any_real = true;
-      if (const float* row = cache_row<M>(fmt, src.view, 0, th[j])) {
-        krow[j] = row;
-        kmul[j] = s.scale;
-        continue;
-      }
-      krow[j] = ktile + size_t(j) * d;
-      kmul[j] = decode_key<M>(fmt, src.view, th[j], ktile + size_t(j) * d) * s.scale;
-    }
-    if (!any_real) continue;
-    if (corrected) {  // norm correction of the tile's keys at once: scale / |decoded key|
-      float sumsq[kKeyTile];
-      dots(krow, nullptr, nk, d, sumsq);
-      for (int j = 0; j < nk; ++j) kmul[j] = kmul[j] / std::sqrt(sumsq[j] + gen::kNcEps);
-    }
-    bool used[kKeyTile] = {};
-    for (int r = 0; r < rows.n; ++r) {
-      const int64_t P = pos[r / groups];
-      const float* q = main ? &rows.qm[size_t(r) * d] : &rows.q[size_t(r) * d];
-      float* pr = &sc.scores[size_t(r) * kKeyTile];
-      uint8_t* sn = &sc.seen[size_t(r) * kKeyTile];
+    for (int j = 0; j < nk; ++j) token[j] = slot(p0 + j);
+    for (int tq = 0; tq < queries; ++tq) {  // shared by the query's heads
+      const int64_t P = pos[tq];
       bool any = false;
       for (int j = 0; j < nk; ++j) {
         const int64_t p = p0 + j;
-        bool ok = real[j] && p <= P && (s.window == 0 || p > P - s.window);
+        bool ok = token[j] >= 0 && p <= P && (s.window == 0 || p > P - s.window);
         if (kind == Kind::Main)
           ok = ok && p >= s.sink_tokens && (s.recent_window == 0 || p <= P - s.recent_window);
         else if (kind == Kind::Recent)
           ok = ok && p >= s.sink_tokens && p > P - s.recent_window;
         else
           ok = ok && p < s.sink_tokens;
-        sn[j] = ok;
+        vis.seen[tq][j] = ok;
         any = any || ok;
       }
-      sc.live[r] = any;
-      if (!any) continue;
-      dots(krow, q, nk, d, pr);  // keys a row does not see: any value, dropped below
-      float mt = kNegInf;
-      for (int j = 0; j < nk; ++j) {
-        float v = pr[j] * kmul[j];
-        if (s.softcap != 0.0f) v = std::tanh(v / s.softcap) * s.softcap;
-        pr[j] = sn[j] ? v : kNegInf;
-        mt = std::max(mt, pr[j]);
-        used[j] = used[j] || sn[j];
-      }
-      const float m_new = std::max(rows.m[r], mt);
-      const float corr = rows.m[r] == kNegInf ? 0.0f : exp_neg(rows.m[r] - m_new);
-      float sum = 0.0f;
-      for (int j = 0; j < nk; ++j) {
-        const float e = exp_neg(pr[j] - m_new);
-        pr[j] = sn[j] ? e : 0.0f;
-        sum += pr[j];
-      }
-      rows.l[r] = rows.l[r] * corr + sum;
-      rows.m[r] = m_new;
-      sc.corr[r] = corr;  // applied to this segment's sums as they accumulate; the other's now:
-      if (corr != 1.0f && s.recent.table) {
-        float* other = main ? &rows.acc[size_t(r) * d] : &rows.accm[size_t(r) * d];
-        for (int i = 0; i < d; ++i) other[i] *= corr;
-      }
+      vis.any[tq] = any;
     }
-    ValueRuns runs;
-    const int64_t stride = int64_t(s.kv_heads) * d;
-    for (int j = 0; j < nk; ++j) {  // keys no row sees weigh 0: their values must be finite
-      const float* row = used[j] ? cache_row<M>(fmt, src.view, 1, th[j]) : nullptr;
-      const float* last = runs.n ? runs.base[runs.n - 1] : nullptr;
-      const bool joins = runs.n && (row ? last && th[j] == th[j - 1] + s.kv_heads : !last);
-      if (!joins) {
-        runs.start[runs.n] = j;
-        runs.base[runs.n++] = row;
-      }
-      if (row) continue;
-      if (used[j])
-        decode_value<M>(fmt, src.view, th[j], vtile + size_t(j) * d);
-      else
-        std::fill_n(vtile + size_t(j) * d, d, 0.0f);
-    }
-    runs.start[runs.n] = nk;
-    for (int r = 0; r < rows.n; ++r) {
-      if (!sc.live[r]) continue;
-      float* acc = main ? &rows.accm[size_t(r) * d] : &rows.acc[size_t(r) * d];
-      const float* p = &sc.scores[size_t(r) * kKeyTile];
-      float corr = sc.corr[r];
-      for (int k = 0; k < runs.n; ++k, corr = 1.0f) {
-        const int a = runs.start[k], n = runs.start[k + 1] - a;
-        if (runs.base[k])
-          accumulate_row(acc, corr, p + a, runs.base[k], n, d, stride);
-        else
-          accumulate_row(acc, corr, p + a, vtile + size_t(a) * d, n, d, d);
-      }
-    }
+    for (int64_t hh = 0; hh < heads; ++hh)
+      head_tile<M>(s, kind, src, nk, token, hh, vis, rows, static_cast<int>(hh) * head_rows,
+                   head_rows, sc);
   }
 }
 
@@ -356,11 +405,11 @@ void segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, int6
 void run_item(const AttentionStep& s, const Item& it, float* partial) {
   const int d = s.head_size, groups = s.num_heads / s.kv_heads;
   const Format& f = *s.format;
-  const int n = static_cast<int>((it.q1 - it.q0) * groups);
+  const int n = static_cast<int>(it.rows(groups));
   Rows rows(n, d);
   std::vector<float> rotated(d);
   for (int r = 0; r < n; ++r) {
-    const int64_t t = it.q0 + r / groups, head = it.head * groups + r % groups;
+    const int64_t t = it.token(r, groups), head = it.head(r, groups);
     float* q = &rows.q[size_t(r) * d];
     float* qm = &rows.qm[size_t(r) * d];
     std::copy_n(s.q + (t * s.num_heads + head) * d, d, q);
@@ -390,7 +439,7 @@ void run_item(const AttentionStep& s, const Item& it, float* partial) {
   }
   if (!partial) {
     for (int r = 0; r < n; ++r)
-      attn::finish_row(s, it.q0 + r / groups, it.head * groups + r % groups, rows.l[r],
+      attn::finish_row(s, it.token(r, groups), it.head(r, groups), rows.l[r],
                        &rows.acc[size_t(r) * d], &rows.accm[size_t(r) * d]);
     return;
   }

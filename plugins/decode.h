@@ -213,6 +213,52 @@ inline float decode_key(const Format& f, const CacheView& c, int64_t th, float* 
   return 1.0f;
 }
 
+// Whether a value decodes as codes * scale + offset with one scale and offset per (token, head):
+// the attention loop then weighs the codes (decode_value_codes) and adds the offsets once per
+// row, instead of a pass over every decoded value.
+template <Mode M>
+inline bool value_codes_affine(const Format& f) {
+  return (M == Mode::TURBOQUANT && !f.preset->value_mse && f.layout->value_groups == 1) ||
+         M == Mode::INT4_PER_TOKEN_HEAD;  // int8: its decode is one multiply, nothing gained
+}
+
+// A value_codes_affine format's value: out = its codes (in the order decode_value writes),
+// with its scale and offset.
+template <Mode M>
+inline void decode_value_codes(const Format& f, const CacheView& c, int64_t th, float* out,
+                               float& scale, float& offset) {
+  const int d = f.head_size;
+  switch (M) {
+    case Mode::TURBOQUANT: {
+      static const float kIdentity[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      const auto& lay = *f.layout;
+      const uint8_t* slot = c.data[0] + th * lay.slot_size_aligned;
+      const uint8_t* codes = slot + lay.value_offset;
+      if (f.value_parts())
+        unpack4_parts(codes, d, kIdentity, out);
+      else
+        unpack_lookup(codes, d, f.preset->value_bits, kIdentity, out);
+      scale = get_half(slot + lay.value_params_offset);
+      offset = get_half(slot + lay.value_params_offset + 2);
+      return;
+    }
+    case Mode::INT4_PER_TOKEN_HEAD: {
+      const uint8_t* b = c.data[1] + th * (d / 2);
+      for (int i = 0; i < d / 2; ++i) {
+        out[2 * i] = static_cast<float>(b[i] & 15);
+        out[2 * i + 1] = static_cast<float>(b[i] >> 4);
+      }
+      scale = reinterpret_cast<const float*>(c.data[3])[th];
+      offset = -static_cast<float>(c.data[5][th]) * scale;
+      return;
+    }
+    default:
+      scale = 1.0f;
+      offset = 0.0f;
+      return;
+  }
+}
+
 template <Mode M>
 inline void decode_value(const Format& f, const CacheView& c, int64_t th, float* out) {
   const int d = f.head_size;

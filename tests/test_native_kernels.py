@@ -9,7 +9,7 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -386,6 +386,27 @@ def test_paged_attention_matches_the_reference(library, dtype, feature, d, model
         np.testing.assert_allclose(got.astype(np.float32), ref.float().numpy(), atol=tol,
                                    rtol=rtol, err_msg=f"seqs {seqs}")  # fmt: skip
         assert not got[zero_rows].any()
+
+
+#: decode items over every kv head: a sequence of one token, windows, sinks and recent windows
+#: that cross the kernel's splits (1030 keys: 3 splits of 344)
+DECODE_ALL_HEADS = ([Seq(1, 1), Seq(1030, 1), Seq(513, 1), Seq(0, 1, start=0)], 1)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "fp8", "turboquant_4bit_nc", "tqx_k4v2_mse"])
+@pytest.mark.parametrize("feature", ["window", "recent-sinks", "everything"])
+def test_decode_items_over_every_kv_head_match_the_reference(library, dtype, feature):
+    """Four kv heads of two query heads each (a decode item's rows span every kv head) within
+    1e-5 of the reference at 1 and 2 threads."""
+    f = replace(FEATURES[feature], groups=2, block_size=16)
+    spec = cache_spec(dtype, 64, "float32", f.block_size, kv_heads=4)
+    inputs, ref, zero_rows = attention_case(spec, f, *DECODE_ALL_HEADS, seed=9)
+    for threads in (1, 2):
+        sess = native_session(library, PAGED_ATTENTION, attention_attrs(spec, f), inputs,
+                              [("float32", 3)], threads)  # fmt: skip
+        (got,) = sess.run(None, feed(inputs))
+        np.testing.assert_allclose(got, ref.numpy(), atol=ATTENTION_ATOL, rtol=0)
+        assert len(zero_rows) == 2 and not got[zero_rows].any()
 
 
 # -- bad input ----------------------------------------------------------------------------------
