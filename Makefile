@@ -61,6 +61,10 @@ QUALITY_4K := $(BIN)/tqexport bench quality smollm2 --chunk 4096 --chunks 1 --js
 # calibration-tables` measures it again)
 KV_BUDGETS := 2.75,3.0,3.5,4.0,4.5
 CALIBRATION := $(REPORT_DIR)/calibration_smollm2.json
+# SmolLM2 measured under --kv-key-transform center, with longer recent windows (an experiment
+# for --kv-bits ... --kv-key-transform center; docs/formats.md has what its plans measured)
+CENTER_TABLE := $(REPORT_DIR)/calibration_smollm2_center.json
+CENTER_CANDIDATES := tqx_k4v4:w24:s8,tqx_k4v3_mse:w24:s8,tqx_k4v2_mse:w24:s8,tqx_k4v2_mse:w56:s8,tqx_k4v2_mse:w120:s8,tqx_k4v2_mse,tqx_k3v3:w24:s8,tqx_k3v2_mse:w24:s8,tqx_k3v2_mse:w56:s8,tqx_k3v2_mse:w120:s8,tqx_k3v2_mse:w184:s8,tqx_k3v2_mse
 VLLM_DTYPES := fp8,fp8_e5m2,int8_per_token_head,fp8_per_token_head,int4_per_token_head,nvfp4,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc
 TQ_DTYPES := turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,tqx_k4v4_g32,tqx_k4v3_g32,tqx_k4v3_mse,tqx_k4v2_mse
 # Gemma 3 270M (needs ~12 GB of memory per run): --kv-bits at the bits of two uniform plans
@@ -136,6 +140,7 @@ bench-models: install
 calibration-tables: install
 	$(BIN)/tqexport calibrate smollm2 -o $(CALIBRATION)
 	$(BIN)/tqexport calibrate gemma3-270m -o $(GEMMA_TABLE) --tokens 256 --candidates $(GEMMA_CANDIDATES)
+	$(BIN)/tqexport calibrate smollm2 -o $(CENTER_TABLE) --kv-key-transform center --candidates $(CENTER_CANDIDATES)
 
 # The generated parts of the docs: the CLI reference (typer's own generator) and the README's
 # formats table (from the report's results.json). tests/test_docs.py fails while either is stale.

@@ -88,8 +88,9 @@ def test_calibrate_writes_a_table_that_kv_bits_reads(tmp_path, capsys):
     assert code == 0, stdout
     d = json.loads(out.read_text())
     desc = describe_model("tiny-llama")
-    assert (d["format"], d["version"], d["model"]) == ("tqexport-kv-calibration", 1,
+    assert (d["format"], d["version"], d["model"]) == ("tqexport-kv-calibration", 2,
                                                        desc.identity())  # fmt: skip
+    assert d["key_transform"] == "none"
     assert d["candidates"] == ["fp8", "tqx_k4v4:w4"]
     assert d["text"]["tokens"] == 24 and len(d["text"]["sha256"]) == 64
     assert len(d["cost"]) == 6 and all(len(r) == 2 and min(r) >= 0 for r in d["cost"])
@@ -226,6 +227,18 @@ def test_calibration_kl_is_the_benchmark_kl():
          "--kv-layers 0:fp9: unknown kv-cache dtype 'fp9'"),
         (["calibrate", "tiny-llama", "-o", "x.json", "--tokens", "1"],
          "--tokens must be from 2 to 32768, got 1"),
+        (["calibrate", "tiny-llama", "-o", "x.json", "--kv-key-transform", "center",
+          "--candidates", "tqx_k4v4,fp8"],
+         "--kv-key-transform center: candidate fp8 (layer 0): key transforms need a "
+         "tqexport-native TurboQuant dtype (tqx_*); vLLM's caches store plain keys. Use e.g. "
+         "tqx_k4v4, the layout of turboquant_4bit_nc; drop it from --candidates"),
+        (["calibrate", "tiny-gemma2", "-o", "x.json", "--kv-key-transform", "center"],
+         "--kv-key-transform center: candidate tqx_k4v4:w24:s8 (layer 0): centering is not "
+         "exact under a score softcap (tanh is not shift-invariant); use smooth and/or signs on "
+         "this model; drop it from --candidates"),
+        (["calibrate", "tiny-llama", "-o", "x.json", "--kv-key-transform", "centre"],
+         "--kv-key-transform 'centre': use none or kinds joined by '+' from center, smooth, "
+         "signs (each once), e.g. center+smooth"),
     ],
 )  # fmt: skip
 def test_kv_bits_and_calibrate_refuse_bad_input_in_one_line(capsys, monkeypatch, tmp_path, args,
@@ -273,3 +286,96 @@ def test_bench_quality_kv_bits_scores_the_chosen_plan_with_its_prediction(tmp_pa
     want = "^--kv-bits 8 chooses every layer's dtype, window and sinks, so --recent-window has "
     with pytest.raises(TQExportError, match=want + "no effect; drop one of them$"):
         commands._budget_configs("tiny-llama", "8", path, {"--recent-window": True})
+
+
+def test_the_simulation_transforms_keys_as_the_executor_does():
+    """One layer tqx_k4v2_mse (window 4, sinks 2) under a fitted center transform: the
+    simulated logits are the paged executor's, and differ from the untransformed ones."""
+    from tqexport.bench.quality import _executor
+    from tqexport.calibration_sim import LayerSimulation
+    from tqexport.export.artifact import BuildOptions, resolve_spec
+    from tqexport.models.loader import load_model
+
+    lm = load_model("tiny-llama", "float32")
+    ids = list(range(3, 40))
+    options = BuildOptions("auto", kv_layers="2:tqx_k4v2_mse:w4:s2", key_transform="center")
+    spec, _ = resolve_spec("tiny-llama", lm, options)
+    transform = spec.layers[2].key_transform
+    assert transform is not None and transform.kinds == ("center",)
+    paged = _executor(spec, "torch", len(ids), lm=lm).score(ids)
+    sim = LayerSimulation(lm, ids)
+    simulated = sim.logits(2, "tqx_k4v2_mse", 4, 2, transform)
+    plain = sim.logits(2, "tqx_k4v2_mse", 4, 2)
+    assert (simulated - paged).abs().max().item() <= 1e-5
+    assert (plain - paged).abs().max().item() > 1e-4
+
+
+def test_a_table_measured_under_a_key_transform_serves_only_builds_with_it(tmp_path, capsys):
+    """calibrate --kv-key-transform center records it; --kv-bits reads that table only with the
+    same transform (one error naming both fixes otherwise). The default candidates under a
+    transform are the tqx_* ones."""
+    assert cal.default_candidates(("center",)) == tuple(
+        c for c in cal.DEFAULT_CANDIDATES if c != "fp8"
+    )
+    assert cal.default_candidates(()) == cal.DEFAULT_CANDIDATES
+    out = tmp_path / "cal.json"
+    code, stdout, _ = main_inproc(capsys, "calibrate", "tiny-llama", "-o", out, "--candidates",
+                                  "tqx_k4v4:w4,tqx_k3v2_mse", "--tokens", "24",
+                                  "--kv-key-transform", "center")  # fmt: skip
+    assert code == 0, stdout
+    assert "6 layers x 2 candidates (keys center) on 24 tokens" in stdout
+    assert json.loads(out.read_text())["key_transform"] == "center"
+    table = cal.read_table(out)
+    assert table.key_transform == "center"
+    code, stdout, err = main_inproc(capsys, "plan", "tiny-llama", "--kv-bits", "3",
+                                    "--calibration", out)  # fmt: skip
+    assert (code, stdout) == (2, "")
+    assert err == (
+        f"error: --calibration {out} was measured under --kv-key-transform center, not none; "
+        "give --kv-key-transform center, or run `tqexport calibrate` with --kv-key-transform "
+        "none\n"
+    )
+    code, stdout, err = main_inproc(capsys, "plan", "tiny-llama", "--kv-bits", "3",
+                                    "--calibration", out, "--kv-key-transform", "center",
+                                    "--json")  # fmt: skip
+    assert code == 0, err
+    choice = choose(describe_model("tiny-llama"), table, 3)
+    layers = json.loads(stdout)["layers"]
+    assert [la["kv_cache_dtype"] for la in layers] == [c.split(":")[0] for c in choice.candidates]
+
+
+def test_a_version_1_table_reads_as_measured_without_a_key_transform(tmp_path):
+    desc = dense(2, dtype="float32")
+    path = tmp_path / "t.json"
+    table_for(desc, ("fp8",), [[0.1], [0.2]]).write(path)
+    d = json.loads(path.read_text())
+    del d["key_transform"]
+    path.write_text(json.dumps({**d, "version": 1}))
+    assert cal.read_table(path).key_transform == "none"
+    path.write_text(json.dumps({**d, "version": 2}))
+    with pytest.raises(TQExportError, match=r"is not a `tqexport calibrate` table \('key_"):
+        cal.read_table(path)
+    with pytest.raises(TQExportError, match=r"^--calibration .* under --kv-key-transform none, "
+                       r"not center; give --kv-key-transform none, or run `tqexport calibrate` "
+                       r"with --kv-key-transform center$"):  # fmt: skip
+        cal.check_same_transform(table_for(desc, ("fp8",), [[0.1], [0.2]]), ("center",), path)
+
+
+def test_bench_kv_bits_scores_plans_under_the_tables_key_transform(tmp_path):
+    from tqexport.bench import commands
+
+    desc = describe_model("tiny-llama")
+    path = tmp_path / "t.json"
+    cost = [[0.1 * (i + 1), 0.5 * (i + 1)] for i in range(6)]
+    table = table_for(desc, ("tqx_k4v4", "tqx_k3v2_mse"), cost)
+    cal.Table(*list(table.__dict__.values())[:-1], key_transform="center").write(path)
+    configs = commands._budget_configs("tiny-llama", "3.5", path, {}, "center")
+    want = choose(desc, cal.read_table(path), 3.5)
+    assert [(c.label, c.kv_layers, c.key_transform) for c in configs] == [
+        ("kv-bits 3.5 keys center", want.kv_layers, "center")
+    ]
+    with pytest.raises(TQExportError, match=r"^--kv-bits scores one --kv-key-transform \(the "
+                       r"calibration table's\), got center,none; give one$"):  # fmt: skip
+        commands._budget_configs("tiny-llama", "3.5", path, {}, "center,none")
+    with pytest.raises(TQExportError, match=r"under --kv-key-transform center, not none; "):
+        commands._budget_configs("tiny-llama", "3.5", path, {})

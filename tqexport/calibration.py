@@ -6,13 +6,17 @@ tokens when only that layer takes it (every other layer ``auto``), scored in an 
 whose chosen layer reads what its paged cache would hold (:mod:`tqexport.calibration_sim`).
 Default text: the held-out pydoc topics the key transforms fit on
 (:func:`~tqexport.export.artifact.held_out_calibration_text`), which the evaluation windows
-never see.
+never see. Under a key transform (``--kv-key-transform``) the chosen layer's keys are
+transformed as a build with that transform stores them (fitted on the calibration text), so a
+table predicts the builds of its own transform only.
 
-The table file (JSON, ``format`` ``tqexport-kv-calibration``, ``version`` 1)::
+The table file (JSON, ``format`` ``tqexport-kv-calibration``, ``version`` 2; version 1 is
+read as ``key_transform`` ``none``)::
 
-    {"format": "tqexport-kv-calibration", "version": 1,
+    {"format": "tqexport-kv-calibration", "version": 2,
      "model": {...ModelDescription.identity()...},
      "text": {"name": str, "sha256": str, "characters": int, "tokens": int},
+     "key_transform": "none" | "center" | ...,         # as --kv-key-transform
      "candidates": ["tqx_k4v2_mse:w24:s8", ...],        # "auto" is implicit: cost 0
      "cost": [[float per candidate] per layer],          # mean KL in nats per prediction
      "baseline_ppl": float, "elapsed_seconds": float}
@@ -33,8 +37,12 @@ from pathlib import Path
 
 from tqexport.errors import TQExportError
 from tqexport.kv_layers import parse_kv_layers
+from tqexport.kvquant import transforms
+from tqexport.kvquant.modes import parse_kv_cache_dtype
 
-FORMAT, VERSION = "tqexport-kv-calibration", 1
+FORMAT, VERSION = "tqexport-kv-calibration", 2
+#: the versions read (1: written before key transforms, so measured without one)
+READS = (1, 2)
 #: the candidates measured unless asked otherwise: 2.75 to 8 bits per element all in
 DEFAULT_CANDIDATES = (
     "fp8",
@@ -79,6 +87,7 @@ class Table:
     cost: tuple[tuple[float, ...], ...]
     baseline_ppl: float
     elapsed_seconds: float
+    key_transform: str = transforms.NONE  # the --kv-key-transform it was measured under
 
     def to_dict(self) -> dict:
         return {
@@ -86,6 +95,7 @@ class Table:
             "version": VERSION,
             "model": self.model,
             "text": self.text,
+            "key_transform": self.key_transform,
             "candidates": list(self.candidates),
             "cost": [list(row) for row in self.cost],
             "baseline_ppl": self.baseline_ppl,
@@ -112,9 +122,12 @@ def read_table(path: Path, option: str = "--calibration") -> Table:
         raise TQExportError(f"{option} {path} not found") from None
     except (OSError, ValueError, UnicodeDecodeError):
         raise TQExportError(f"{bad} (not JSON)") from None
-    if not isinstance(d, dict) or d.get("format") != FORMAT or d.get("version") != VERSION:
+    if not isinstance(d, dict) or d.get("format") != FORMAT or d.get("version") not in READS:
         raise TQExportError(f"{bad} (format {FORMAT!r} version {VERSION} expected)")
     try:
+        kinds = transforms.parse_key_transform(
+            str(d["key_transform"]) if d["version"] > 1 else transforms.NONE
+        )
         cands = parse_candidates(",".join(d["candidates"]))
         cost = tuple(tuple(float(x) for x in row) for row in d["cost"])
         model, text = dict(d["model"]), dict(d["text"])
@@ -125,7 +138,7 @@ def read_table(path: Path, option: str = "--calibration") -> Table:
         raise TQExportError(f"{bad} (cost is not one row per layer, one column per candidate)")
     if not all(math.isfinite(x) and x >= 0 for row in cost for x in row):
         raise TQExportError(f"{bad} (a cost is negative or not finite)")
-    return Table(model, text, cands, cost, ppl, secs)
+    return Table(model, text, cands, cost, ppl, secs, transforms.key_transform_label(kinds))
 
 
 def check_fits(table: Table, desc, path) -> None:
@@ -137,6 +150,42 @@ def check_fits(table: Table, desc, path) -> None:
                 f"--calibration {path} was measured on {table.model.get('name')!r}, not on "
                 f"{desc.name!r} ({key} differs); run `tqexport calibrate` on this model"
             )
+
+
+def default_candidates(kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """The default candidates a key transform can take (tqx_* TurboQuant ones; all without)."""
+    if not kinds:
+        return DEFAULT_CANDIDATES
+    return tuple(c for c in DEFAULT_CANDIDATES if _native_turboquant(c))
+
+
+def _native_turboquant(candidate: str) -> bool:
+    entry = parse_kv_cache_dtype(candidate.split(":", 1)[0])
+    return entry.native and entry.is_turboquant
+
+
+def check_transform(desc, candidates: tuple[str, ...], kinds: tuple[str, ...]) -> None:
+    """Every candidate must take the key transform in every layer (as a build would check)."""
+    label = transforms.key_transform_label(kinds)
+    for c in candidates:
+        for la in desc.layers:
+            why = transforms.refusal(kinds, _native_turboquant(c), la.softcap)
+            if why:
+                raise TQExportError(
+                    f"--kv-key-transform {label}: candidate {c} (layer {la.index}): {why}; "
+                    "drop it from --candidates"
+                )
+
+
+def check_same_transform(table: Table, kinds: tuple[str, ...], path) -> None:
+    """A table predicts only builds of the key transform it was measured under."""
+    label = transforms.key_transform_label(kinds)
+    if table.key_transform != label:
+        raise TQExportError(
+            f"--calibration {path} was measured under --kv-key-transform {table.key_transform}, "
+            f"not {label}; give --kv-key-transform {table.key_transform}, or run `tqexport "
+            f"calibrate` with --kv-key-transform {label}"
+        )
 
 
 def text_identity(name: str, text: str, tokens: int) -> dict:
@@ -171,11 +220,17 @@ def measure(
     text_file: Path | None = None,
     tokens: int = DEFAULT_TOKENS,
     progress: Callable[[int, int], None] = lambda done, total: None,
+    key_transform: tuple[str, ...] = (),
 ) -> Table:
-    """Score every (layer, candidate) with only that layer changed against the baseline."""
+    """Score every (layer, candidate) with only that layer changed against the baseline, the
+    layer's keys under ``key_transform`` (fitted on the calibration text, as a build fits it)."""
     from tqexport import validate
     from tqexport.calibration_sim import LayerSimulation
-    from tqexport.export.artifact import _tokens, held_out_calibration_text
+    from tqexport.export.artifact import (
+        _tokens,
+        calibrate_key_transforms,
+        held_out_calibration_text,
+    )
     from tqexport.metrics import Totals
     from tqexport.models.loader import load_model
     from tqexport.resolve import resolve
@@ -187,6 +242,8 @@ def measure(
         name = "held-out pydoc topics (the default of --kv-key-transform's calibration)"
         text = held_out_calibration_text()
     lm = load_model(model, "float32")
+    check_transform(lm.description, candidates, key_transform)
+    fitted = calibrate_key_transforms(lm, text, key_transform) if key_transform else {}
     if lm.tokenizer is not None:
         ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
     else:  # a tiny random built-in: its bytes, as the key transforms' calibration reads them
@@ -203,7 +260,9 @@ def measure(
     for pos in range(n):
         row = []
         for j, e in enumerate(entries):
-            logits = sim.logits(pos, e.dtype, e.recent_window or 0, e.sink_tokens or 0)
+            index = lm.description.layers[pos].index
+            window, sinks = e.recent_window or 0, e.sink_tokens or 0
+            logits = sim.logits(pos, e.dtype, window, sinks, fitted.get(index))
             row.append(max(kl(logits), 0.0))
             progress(pos * len(entries) + j + 1, n * len(entries))
         cost.append(tuple(row))
@@ -214,4 +273,5 @@ def measure(
         tuple(cost),
         totals.summary()["ppl"],
         round(time.monotonic() - start, 1),
+        transforms.key_transform_label(key_transform),
     )

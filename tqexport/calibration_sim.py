@@ -3,10 +3,12 @@
 The model runs with an attention function that, in one chosen layer, reads its keys and values
 round-tripped through that layer's candidate codec (encoded, then decoded), except the recent
 window (``p - j < W``) and the first S tokens, which stay exact, as the paged caches hold them;
-every other layer attends exactly. Each layer attends as the model does: causally, within its
-sliding window if it has one, scores softcapped if the model caps them (with nothing quantized
-the logits are the model's own, tested). Layers before the chosen one do not change, so their
-output is kept from the baseline pass and only the chosen layer and those after it run again.
+every other layer attends exactly. With a key transform the chosen layer's queries and keys are
+transformed first, both segments alike, as the executor does before every cache write. Each
+layer attends as the model does: causally, within its sliding window if it has one, scores
+softcapped if the model caps them (with nothing quantized the logits are the model's own,
+tested). Layers before the chosen one do not change, so their output is kept from the baseline
+pass and only the chosen layer and those after it run again.
 (``benchmarks/quantizer_sim.py`` showed this reproduces ``bench quality``'s perplexities.)
 """
 
@@ -24,8 +26,8 @@ ROWS = 1024
 
 
 class LayerSimulation:
-    """Baseline logits of ``ids`` and, per (layer, dtype, window, sinks), the logits with only
-    that layer's cache quantized."""
+    """Baseline logits of ``ids`` and, per (layer, dtype, window, sinks, key transform), the
+    logits with only that layer's cache quantized."""
 
     def __init__(self, lm, ids: list[int]):
         desc = lm.description
@@ -36,7 +38,7 @@ class LayerSimulation:
         self.model, self.core = lm.model.eval(), core
         self.ids = torch.tensor([ids])
         self.layers = {la.index: la for la in desc.layers}
-        self.active: tuple | None = None  # (layer, codec, window, sinks)
+        self.active: tuple | None = None  # (layer, codec, window, sinks, key transform)
         AttentionInterface.register(NAME, self._attention)
         for m in self.model.modules():
             if hasattr(m, "config"):
@@ -55,9 +57,13 @@ class LayerSimulation:
     def _keep(self, module, args, kwargs):
         self.inputs.append((args, kwargs))
 
-    def logits(self, layer: int, dtype: str, window: int, sinks: int) -> torch.Tensor:
+    def logits(
+        self, layer: int, dtype: str, window: int, sinks: int, transform=None
+    ) -> torch.Tensor:
+        """``transform``: the layer's fitted :class:`~tqexport.kvquant.transforms.KeyTransform`
+        (None: plain keys)."""
         codec = make_codec(dtype, self.layers[layer].head_size, model_dtype="float32")
-        self.active = (layer, codec, window, sinks)
+        self.active = (layer, codec, window, sinks, transform)
         try:
             with torch.no_grad():
                 args, kwargs = self.inputs[layer]
@@ -81,7 +87,10 @@ class LayerSimulation:
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, D]
         window = sinks = 0
         if self.active is not None and module.layer_idx == self.active[0]:
-            _, codec, window, sinks = self.active
+            _, codec, window, sinks, transform = self.active
+            if transform is not None:
+                qt, k = transform.apply(q.transpose(0, 1), k)
+                q = qt.transpose(0, 1)
             kq, vq = codec.decode(codec.encode(k, v))
         else:
             kq, vq = k, v

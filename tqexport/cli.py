@@ -134,10 +134,12 @@ def _budget_layers(ctx: typer.Context, model: str, dtype: str | None) -> str | N
         "--skip-layers": bool(p["skip_layers"]), "--kv-recent-window": given(ctx, names[3]),
         "--kv-sink-tokens": given(ctx, names[4]),
     })  # fmt: skip
+    from tqexport.kvquant.transforms import parse_key_transform
     from tqexport.models.config import describe_model
 
     desc = describe_model(model, dtype)
-    choice, _ = kv_budget.budget_plan(model, desc, kv_bits, p["calibration"], _say)
+    kinds = parse_key_transform(p["key_transform"])
+    choice, _ = kv_budget.budget_plan(model, desc, kv_bits, p["calibration"], _say, kinds)
     _say(
         f"--kv-bits {kv_bits:g} chose --kv-layers {choice.kv_layers}: "
         f"{float(choice.bits_per_element):.4f} bits per element all in, predicted KL "
@@ -406,11 +408,12 @@ def calibrate(
     model: Annotated[str, typer.Argument(help="HF dir, .gguf, or built-in name.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="The table file (JSON) to write.")],
     candidates: Annotated[
-        str,
+        str | None,
         typer.Option(
-            help="Caches to measure, DTYPE[:wN][:sN] joined by commas (auto is always one)."
+            help="Caches to measure, DTYPE[:wN][:sN] joined by commas (auto is always one). "
+            f"Default: {','.join(DEFAULT_CANDIDATES)}."
         ),
-    ] = ",".join(DEFAULT_CANDIDATES),
+    ] = None,
     tokens: Annotated[int, typer.Option(help="Calibration tokens scored per measurement.")] = (
         DEFAULT_TOKENS
     ),
@@ -418,12 +421,26 @@ def calibrate(
         Path | None,
         typer.Option(help="Calibration text (default: the held-out pydoc topics)."),
     ] = None,
+    key_transform: Annotated[
+        str,
+        typer.Option(
+            "--kv-key-transform",
+            help="Measure under this key transform (fitted on the calibration text), for "
+            "--kv-bits builds with the same one; default candidates: the tqx_* ones.",
+        ),
+    ] = "none",
 ):
     """Measure what each candidate cache costs in each layer (KL of the next-token distribution
     with only that layer changed) and write the table `--kv-bits` reads."""
     from tqexport import calibration as cal
+    from tqexport.kvquant.transforms import parse_key_transform
 
-    cands = cal.parse_candidates(candidates)
+    kinds = parse_key_transform(key_transform)
+    cands = (
+        cal.parse_candidates(candidates)
+        if candidates is not None
+        else cal.default_candidates(kinds)
+    )
     validate.integer(tokens, "--tokens", 2, cal.MAX_TOKENS)
     if calibration_text is not None:
         validate.text_file(calibration_text, "--calibration-text")
@@ -432,10 +449,12 @@ def calibrate(
     from tqexport.models.config import describe_model
 
     desc = describe_model(model)
+    cal.check_transform(desc, cands, kinds)
     with progress() as bar:
         task = bar.add_task("calibrating", total=len(desc.layers) * len(cands))
         table = cal.measure(model, cands, calibration_text, tokens,
-                            lambda done, total: bar.update(task, completed=done))  # fmt: skip
+                            lambda done, total: bar.update(task, completed=done),
+                            kinds)  # fmt: skip
     table.write(out)
     t = Table(title=printable(f"{desc.name}: mean KL per prediction, only that layer changed"))
     t.add_column("layer")
@@ -446,7 +465,9 @@ def calibrate(
     console.print(t)
     console.print(
         printable(
-            f"{len(table.cost)} layers x {len(cands)} candidates on {table.text['tokens']} tokens "
+            f"{len(table.cost)} layers x {len(cands)} candidates"
+            + (f" (keys {table.key_transform})" if kinds else "")
+            + f" on {table.text['tokens']} tokens "
             f"of {table.text['name']} in {table.elapsed_seconds:.0f} s; wrote {out}"
         )
     )

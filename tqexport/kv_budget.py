@@ -105,18 +105,23 @@ def conflicts(kv_bits, given: dict[str, bool]) -> None:
             )
 
 
-def budget_plan(model: str, desc, kv_bits: float, calibration, say) -> tuple[Choice, object]:
-    """The chosen plan and its table: read from ``calibration``, or measured now (said)."""
+def budget_plan(
+    model: str, desc, kv_bits: float, calibration, say, key_transform: tuple[str, ...] = ()
+) -> tuple[Choice, object]:
+    """The chosen plan and its table: read from ``calibration`` (measured under the build's
+    ``key_transform``), or measured now under it (said)."""
     from tqexport import calibration as cal
 
     if calibration is not None:
         table = cal.read_table(calibration)
         cal.check_fits(table, desc, calibration)
+        cal.check_same_transform(table, key_transform, calibration)
         where = f"{calibration} (measured in {table.elapsed_seconds:.0f} s)"
     else:
         say(f"--kv-bits {kv_bits:g}: no --calibration, measuring the costs now (`tqexport "
             "calibrate MODEL -o FILE` keeps them for the next run)")  # fmt: skip
-        table = cal.measure(model)
+        cands = cal.default_candidates(key_transform)
+        table = cal.measure(model, cands, key_transform=key_transform)
         where = f"measured now in {table.elapsed_seconds:.0f} s"
     choice = choose(desc, table, kv_bits)
     say(f"--kv-bits {kv_bits:g}: {len(table.candidates)} candidates' costs from {where}")

@@ -121,10 +121,10 @@ def bench_quality(
         others = {
             "--kv-layers": kv_layers, "--kv-cache-dtype": kv_cache_dtype,
             "--skip-layers": skip_layers, "--recent-window": recent_window != "0",
-            "--kv-sink-tokens": sink_tokens != "0", "--kv-key-transform": key_transform != "none",
+            "--kv-sink-tokens": sink_tokens != "0",
             "--kv-scales": kv_scales != "1.0", "--boundary": boundary != "both",
         }  # fmt: skip
-        configs = _budget_configs(target, kv_bits, calibration, others)
+        configs = _budget_configs(target, kv_bits, calibration, others, key_transform)
     elif calibration is not None:
         raise TQExportError("--calibration is read only by --kv-bits; add --kv-bits or drop it")
     ours, peer_result, note = _quality(target, configs, text_file, chunk, chunks, peer)
@@ -136,25 +136,34 @@ def bench_quality(
     _print_quality(ours, rows, note)
 
 
-def _budget_configs(target, kv_bits, calibration, others: dict):
-    """One configuration per ``--kv-bits`` budget, each layer's cache chosen by the knapsack;
-    ``others`` maps each option the budget would override to whether it was given."""
+def _budget_configs(target, kv_bits, calibration, others: dict, key_transform: str = "none"):
+    """One configuration per ``--kv-bits`` budget, each layer's cache chosen by the knapsack
+    (keys under ``key_transform``, the one the table was measured under); ``others`` maps each
+    option the budget would override to whether it was given."""
     from tqexport import kv_budget
     from tqexport.bench.quality import Config
+    from tqexport.kvquant.transforms import key_transform_label, parse_key_transform
     from tqexport.models.config import describe_model
 
     kv_budget.conflicts(kv_bits, {flag: bool(v) for flag, v in others.items()})
+    if "," in key_transform:
+        raise TQExportError(
+            f"--kv-bits scores one --kv-key-transform (the calibration table's), got "
+            f"{key_transform}; give one"
+        )
+    kinds = parse_key_transform(key_transform)
     budgets = [kv_budget.check_budget(x) for x in validate.comma_list(kv_bits, "--kv-bits")]
     if matrix.is_artifact(target):
         raise TQExportError("--kv-bits needs a MODEL to choose caches for, not an artifact")
     desc = describe_model(target)
     configs = []
     for b in budgets:
-        choice, _ = kv_budget.budget_plan(target, desc, b, calibration, _say)
+        choice, _ = kv_budget.budget_plan(target, desc, b, calibration, _say, kinds)
         _say(f"--kv-bits {b:g}: --kv-layers {choice.kv_layers} "
              f"({float(choice.bits_per_element):.4f} bits per element)")  # fmt: skip
         configs.append(Config("auto", kv_layers=choice.kv_layers, kv_bits=b,
-                              predicted_kl=choice.predicted_cost))  # fmt: skip
+                              predicted_kl=choice.predicted_cost,
+                              key_transform=key_transform_label(kinds)))  # fmt: skip
     return configs
 
 

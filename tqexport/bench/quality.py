@@ -54,7 +54,8 @@ class Config:
         extra += [f"scales {self.kv_scales}"] if self.kv_scales != "1.0" else []
         extra += [f"keys {self.key_transform}"] if self.key_transform != "none" else []
         if self.kv_bits is not None:
-            return f"kv-bits {self.kv_bits:g}"
+            keys = [f"keys {self.key_transform}"] if self.key_transform != "none" else []
+            return " ".join([f"kv-bits {self.kv_bits:g}", *keys])
         if self.kv_layers:
             return " ".join([f"layers {self.kv_layers}", *extra] + [f"rest {self.kv_cache_dtype}"]
                             * (self.kv_cache_dtype != "auto"))  # fmt: skip
