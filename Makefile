@@ -102,9 +102,9 @@ bench: install
 	$(QUALITY_4K) --kv-cache-dtype tqx_k3v3 --boundary off --recent-window 28 --kv-sink-tokens 4 --kv-key-transform center,center+signs --no-peer > $(REPORT_DIR)/quality_4096_k3.json
 	$(QUALITY_4K) --kv-cache-dtype tqx_k4v3_mse --boundary off --recent-window 184 --kv-sink-tokens 8 --kv-key-transform center --no-peer > $(REPORT_DIR)/quality_4096_mse45.json
 	$(QUALITY_4K) --kv-cache-dtype tqx_k4v2_mse --boundary off --recent-window 60 --kv-sink-tokens 4 --kv-key-transform center --no-peer > $(REPORT_DIR)/quality_4096_mse35.json
-	test -f $(CALIBRATION) || $(BIN)/tqexport calibrate smollm2 -o $(CALIBRATION)
-	$(QUALITY_4K) --kv-bits $(KV_BUDGETS) --calibration $(CALIBRATION) --no-peer > $(REPORT_DIR)/quality_4096_budget.json
-	$(QUALITY) --kv-bits $(KV_BUDGETS) --calibration $(CALIBRATION) --no-peer > $(REPORT_DIR)/quality_budget.json
+	test -f $(CALIBRATION) || $(BIN)/tqexport calibrate smollm2 -o $(CALIBRATION) --kv-key-transform center
+	$(QUALITY_4K) --kv-bits $(KV_BUDGETS) --calibration $(CALIBRATION) --kv-key-transform center --no-peer > $(REPORT_DIR)/quality_4096_budget.json
+	$(QUALITY) --kv-bits $(KV_BUDGETS) --calibration $(CALIBRATION) --kv-key-transform center --no-peer > $(REPORT_DIR)/quality_budget.json
 	$(QUALITY_GEMMA) $(foreach c,$(GEMMA_UNIFORM),--kv-layers $(c)) > $(REPORT_DIR)/quality_4096_gemma3-270m_uniform.json
 	$(QUALITY_GEMMA) --kv-bits $(GEMMA_BUDGETS) --calibration $(GEMMA_TABLE) > $(REPORT_DIR)/quality_4096_gemma3-270m_budget.json
 	$(QUALITY_GEMMA_512) --kv-layers $(GEMMA_PLAN_171) --kv-layers 0-17:tqx_k4v3_mse:w184:s8 > $(REPORT_DIR)/quality_512_gemma3-270m_budget1.71.json
@@ -138,7 +138,7 @@ bench-models: install
 
 # The calibration tables `make bench` reads (committed in docs/report; CPU minutes each)
 calibration-tables: install
-	$(BIN)/tqexport calibrate smollm2 -o $(CALIBRATION)
+	$(BIN)/tqexport calibrate smollm2 -o $(CALIBRATION) --kv-key-transform center
 	$(BIN)/tqexport calibrate gemma3-270m -o $(GEMMA_TABLE) --tokens 256 --candidates $(GEMMA_CANDIDATES)
 	$(BIN)/tqexport calibrate smollm2 -o $(CENTER_TABLE) --kv-key-transform center --candidates $(CENTER_CANDIDATES)
 
