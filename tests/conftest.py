@@ -2,6 +2,8 @@
 
 import hashlib
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 from filelock import FileLock
@@ -18,16 +20,20 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"skipped in CI without being GPU-only: {report.longrepr}"
 
 
+def _artifacts_root(tmp_path_factory) -> Path:
+    """One folder for the run's artifacts: the controller's temp folder under pytest-xdist (its
+    workers' folders sit inside it), the run's own otherwise."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "artifacts"
+
+
 @pytest.fixture(scope="session")
 def artifacts(tmp_path_factory):
     """``get(model, kv_dtype, skip, **build options)``: the artifact, built once per test run.
     Under pytest-xdist the workers share one directory (a file lock per artifact), so an
     artifact two workers need is built once; tests must not modify them (copy first)."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = tmp_path_factory.getbasetemp().parent / "artifacts"
-        root.mkdir(exist_ok=True)
-    else:
-        root = tmp_path_factory.mktemp("artifacts")
+    root = _artifacts_root(tmp_path_factory)
+    root.mkdir(exist_ok=True)
 
     def get(model, kv_dtype, skip=(), **kw):
         key = repr((model, kv_dtype, tuple(skip), tuple(sorted(kw.items()))))
@@ -41,3 +47,11 @@ def artifacts(tmp_path_factory):
         return out
 
     return get
+
+
+def pytest_sessionfinish(session):
+    """The run's artifacts go when the run ends (the controller's hook runs after every
+    worker's): kept, the real models' would fill the disk over a few runs."""
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(_artifacts_root(factory), ignore_errors=True)

@@ -16,9 +16,7 @@ logits are still compared, and judged when no layer is quantized.
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -81,7 +79,9 @@ class _TapSession:
     def __init__(self, artifact: Artifact, threads: int | None = None, kernels: str = "auto"):
         check_ops(artifact.model_file)
         self.kernels = choose_kernels(artifact.spec, kernels)
-        model = onnx.load(str(artifact.model_file))
+        # the graph alone: its weights stay in the artifact's data file, which ORT reads from
+        # the artifact's folder (no copy of the weights on disk)
+        model = onnx.load(str(artifact.model_file), load_external_data=False)
         self.taps: dict[tuple[int, str], str] = {}
         elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(artifact.spec.dtype))
         for node in model.graph.node:
@@ -97,15 +97,16 @@ class _TapSession:
         for name in self.taps.values():
             model.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
         self.output_names = [o.name for o in model.graph.output]
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "tapped.onnx"
-            onnx.save_model(model, path, save_as_external_data=True, location="w.data")
-            opts = ort.SessionOptions()
-            if threads:
-                opts.intra_op_num_threads = threads
-            if self.kernels.library is not None:
-                opts.register_custom_ops_library(str(self.kernels.library))
-            self.session = ort.InferenceSession(str(path), opts, providers=providers())
+        opts = ort.SessionOptions()
+        opts.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path",
+            str(artifact.model_file.parent),
+        )
+        if threads:
+            opts.intra_op_num_threads = threads
+        if self.kernels.library is not None:
+            opts.register_custom_ops_library(str(self.kernels.library))
+        self.session = ort.InferenceSession(model.SerializeToString(), opts, providers=providers())
         self.input_names = [i.name for i in self.session.get_inputs()]
 
     def run(self, step, caches):
