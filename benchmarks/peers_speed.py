@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tqexport.bench import bounds, sessions
+from tqexport.bench import bounds, sessions, weights_floor
 from tqexport.bench.speed import (
     artifact_for,
     kernel_label,
@@ -57,7 +57,8 @@ def hf_dir(model: str, out: Path) -> Path:
     from tqexport.models import builtins, loader
 
     loader.load_model(model)  # converts and caches a GGUF once
-    src = loader._gguf_cache(builtins.smollm2_gguf()) if model == "smollm2" else Path(model)
+    gguf = model in builtins.GGUF_BUILTINS
+    src = loader.gguf_cache(builtins.builtin_gguf(model)) if gguf else Path(model)
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.name != "config.json" and not (out / f.name).exists():
@@ -193,6 +194,12 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--llama-kv", default="f16,q8_0,q4_0")
     ap.add_argument("--no-genai", action="store_true")
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument(
+        "--no-floor",
+        action="store_true",
+        help=f"leave out {weights_floor.SYSTEM!r}: ORT running only the weight MatMuls of the "
+        "first --dtypes artifact, the fastest any decoder on these weights can step",
+    )
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
@@ -225,6 +232,11 @@ def main(argv: list[str] | None = None):
         configs[label] = artifact_for(args.model, name, args.workdir, int(window or 0))
     kernels = run_kernels(asked, {n: a.spec for n, a in configs.items()})
     footprint = {f"tqexport {n}": bounds.artifact_footprint(a) for n, a in configs.items()}
+    floor_art = next(iter(configs.values()))
+    if not args.no_floor:
+        footprint[weights_floor.SYSTEM] = bounds.footprint(
+            weights_floor.weights_bytes(weights_floor.floor_model(floor_art)), 0
+        )
     spinning = DEFAULT_OPTIONS["allow_spinning"] if args.genai_spinning == "same" else None
     genai, genai_dir, overlay, note = None, None, {}, None
     if not args.no_genai:
@@ -256,6 +268,10 @@ def main(argv: list[str] | None = None):
                 for k in kernels
                 for n, a in configs.items()
             }
+            if not args.no_floor:
+                systems[weights_floor.SYSTEM] = weights_floor.WeightsFloor(
+                    floor_art, b, args.threads
+                )
             if genai is not None and b * c <= args.peer_max_cached_tokens:
                 systems[GENAI] = GenAI(genai, c, b, args.steps)
             if gguf is not None and b == 1:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tqexport.bench import bounds, report, sessions, speed, speed_report
+from tqexport.bench import bounds, report, sessions, speed, speed_report, weights_floor
 from tqexport.contract.artifact import open_artifact
+from tqexport.contract.files import WEIGHTS_FILE
 from tqexport.errors import TQExportError
 from tqexport.native import library
 
@@ -382,6 +383,57 @@ def test_peer_speed_goals_add_the_native_goals_of_the_one_run():
     assert details[4].endswith("; the bytes per step allow 1.00x")
 
 
+def test_auto_over_genai_goals_name_the_weights_floor_where_the_run_measured_it():
+    ps = _peer_run()
+    for r in ps["decode"]:
+        if r["context"] == 1024:
+            r["tokens_per_second"][weights_floor.SYSTEM] = {1: 24.0, 8: 105.0}[r["batch"]]
+    details = {g["goal"]: g["detail"] for g in speed_report.peer_speed_goals(ps)}
+    goal = ("tqexport auto [native] decodes at >= 1.3x ORT GenAI fp32's tokens/s at context "
+            "1024, batch {}")  # fmt: skip
+    assert details[goal.format(1)] == (
+        "1.50x: auto / GenAI = 30.0 / 20.0 tokens/s; the bytes per step allow 1.00x; ORT's "
+        "weight MatMuls alone run at 24.0 tokens/s, 1.20x GenAI: no decoder on these weights "
+        "leads GenAI by more"
+    )
+    assert details[goal.format(8)].endswith(
+        "alone run at 105.0 tokens/s, 1.05x GenAI: no decoder on these weights leads GenAI by more"
+    )
+    assert details[goal.format(1).replace("1024", "4096")] == "not measured in this run"
+
+
+def test_weights_floor_multiplies_by_every_weight_of_the_artifact_in_place(artifacts):
+    """One MatMul per weight the artifact's MatMuls read, its initializers the artifact's own
+    external tensors (nothing copied), and each output the rows times that weight."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    art = open_artifact(artifacts("tiny-llama", "auto"))
+    stored = onnx.load(str(art.model_file), load_external_data=False)
+    weights = weights_floor.weight_matmuls(stored)
+    graph_matmuls = [n for n in stored.graph.node if n.op_type == "MatMul"]
+    assert len(weights) == len(graph_matmuls) == 43  # 6 layers x 7 projections + lm_head
+    model = weights_floor.floor_model(art)
+    assert [t.name for t in model.graph.initializer] == [w.name for w in weights]
+    assert all(
+        t.data_location == onnx.TensorProto.EXTERNAL
+        and {e.key: e.value for e in t.external_data}["location"] == WEIGHTS_FILE
+        for t in model.graph.initializer
+    )
+    assert weights_floor.weights_bytes(model) == sum(4 * int(np.prod(w.dims)) for w in weights)
+    floor = weights_floor.WeightsFloor(art, batch=3, threads=1)
+    full = {
+        t.name: numpy_helper.to_array(t) for t in onnx.load(str(art.model_file)).graph.initializer
+    }
+    outs = floor.step()
+    assert len(outs) == len(weights)
+    for w, y in zip(weights, outs, strict=True):
+        x = floor.feed[f"rows_{w.dims[0]}"]
+        assert x.shape == (3, w.dims[0])
+        np.testing.assert_allclose(y, x @ full[w.name], rtol=1e-5, atol=1e-5)
+
+
 def test_report_renders_a_peer_run_with_kernels_sessions_load_and_bounds(tmp_path):
     ps = _peer_run()
     path = tmp_path / "peers.json"
@@ -530,6 +582,21 @@ def test_open_genai_keeps_the_part_of_the_overlay_genai_takes(monkeypatch):
     ]
 
 
+def test_peers_speed_gives_genai_the_converted_checkpoint_of_a_gguf_builtin(tmp_path):
+    """GenAI's builder reads the HF directory tqexport converted SmolLM2's GGUF into: its files
+    linked, config.json with the architecture the builder needs."""
+    from tqexport.models import builtins, loader
+
+    out = _peers_speed().hf_dir("smollm2", tmp_path / "hf")
+    src = loader.gguf_cache(builtins.builtin_gguf("smollm2"))
+    assert sorted(f.name for f in out.iterdir()) == sorted(f.name for f in src.iterdir())
+    assert all((out / f.name).resolve() == f.resolve() for f in src.iterdir()
+               if f.name != "config.json")  # fmt: skip
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["num_hidden_layers"] == 30
+
+
 def test_peers_speed_records_kernels_load_sessions_and_footprints(tmp_path):
     mod = _peers_speed()
     out = tmp_path / "peers.json"
@@ -548,10 +615,13 @@ def test_peers_speed_records_kernels_load_sessions_and_footprints(tmp_path):
         (n, k) for k in kernels for n in arts
     }
     assert d["session_options"] == {"tqexport": {**SESSION, "intra_op_num_threads": 2}}
-    assert d["footprint"] == {f"tqexport {n}": bounds.artifact_footprint(a)
-                              for n, a in arts.items()}  # fmt: skip
+    floor = weights_floor.weights_bytes(weights_floor.floor_model(arts["auto"]))
+    assert d["footprint"] == {**{f"tqexport {n}": bounds.artifact_footprint(a)
+                                 for n, a in arts.items()},
+                              weights_floor.SYSTEM: bounds.footprint(floor, 0)}  # fmt: skip
+    measured = [*systems, weights_floor.SYSTEM]
     assert [(r["context"], r["batch"], list(r["tokens_per_second"])) for r in d["decode"]] == [
-        (16, 1, systems), (16, 2, systems)
+        (16, 1, measured), (16, 2, measured)
     ]  # fmt: skip
     for r in [d, *d["decode"]]:
         assert sorted(r["loadavg"]) == ["after", "before"]

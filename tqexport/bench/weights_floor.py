@@ -1,0 +1,83 @@
+"""The weights floor of a decode step: ONNX Runtime running nothing but an artifact's weight
+MatMuls, each weight once on B rows, with the artifact's own initializers (read from its data
+file in place) and tqexport's session options. A decoder on these weights and this runtime
+cannot step faster than this at batch B, so it bounds every system that reads the same fp32
+weights through ORT's MatMul (tqexport, ONNX Runtime GenAI): the peers run measures it beside
+them."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from tqexport.contract.artifact import Artifact
+from tqexport.runtime.backends.ort import session_options
+
+#: the floor's system name in a peers run (its tokens/s: batch over the fastest step)
+SYSTEM = "ORT weight MatMuls only"
+#: ORT reads an in-memory model's external initializers from this folder
+EXTERNAL_FOLDER_ENTRY = "session.model_external_initializers_file_folder_path"
+
+
+def weight_matmuls(model: onnx.ModelProto) -> list[onnx.TensorProto]:
+    """The initializers ``model``'s top-level MatMuls multiply by (their second input), once
+    each, in graph order: the weights a decode step reads in full."""
+    inits = {t.name: t for t in model.graph.initializer}
+    seen: dict[str, onnx.TensorProto] = {}
+    for node in model.graph.node:
+        if node.op_type == "MatMul" and node.input[1] in inits:
+            w = inits[node.input[1]]
+            if len(w.dims) == 2:
+                seen.setdefault(w.name, w)
+    return list(seen.values())
+
+
+def floor_model(artifact: Artifact) -> onnx.ModelProto:
+    """A graph of one MatMul per weight of ``artifact`` (input ``rows_K`` of shape [batch, K]
+    for each weight of K rows, output ``y<i>``), its initializers the artifact's tensors as
+    stored (external data stays external: nothing is copied)."""
+    src = onnx.load(str(artifact.model_file), load_external_data=False)
+    weights = weight_matmuls(src)
+    if not weights:
+        raise ValueError(f"{artifact.model_file} has no weight MatMul")
+    elem = weights[0].data_type
+    widths = sorted({w.dims[0] for w in weights})
+    inputs = [onnx.helper.make_tensor_value_info(f"rows_{k}", elem, ["batch", k]) for k in widths]
+    nodes, outputs = [], []
+    for i, w in enumerate(weights):
+        nodes.append(onnx.helper.make_node("MatMul", [f"rows_{w.dims[0]}", w.name], [f"y{i}"]))
+        outputs.append(onnx.helper.make_tensor_value_info(f"y{i}", elem, ["batch", w.dims[1]]))
+    graph = onnx.helper.make_graph(nodes, "weights_floor", inputs, outputs, list(weights))
+    opset = [o for o in src.opset_import if o.domain in ("", "ai.onnx")]
+    return onnx.helper.make_model(graph, opset_imports=opset, ir_version=src.ir_version)
+
+
+def weights_bytes(model: onnx.ModelProto) -> int:
+    """The bytes of ``model``'s initializers (a floor model's: every weight a step reads)."""
+    return sum(
+        int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        for t in model.graph.initializer
+    )
+
+
+class WeightsFloor:
+    """A session over :func:`floor_model` with ``batch`` rows per input (seeded values): one
+    :meth:`step` reads every weight once, as a decode step of ``batch`` sequences does."""
+
+    def __init__(self, artifact: Artifact, batch: int, threads: int | None = None):
+        model = floor_model(artifact)
+        opts = session_options(threads)
+        opts.add_session_config_entry(EXTERNAL_FOLDER_ENTRY, str(artifact.model_file.parent))
+        self.session = ort.InferenceSession(
+            model.SerializeToString(), opts, providers=["CPUExecutionProvider"]
+        )
+        rng = np.random.default_rng(0)
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(model.graph.initializer[0].data_type)
+        self.feed = {
+            i.name: rng.standard_normal((batch, int(i.name.removeprefix("rows_")))).astype(dtype)
+            for i in model.graph.input
+        }
+
+    def step(self) -> list[np.ndarray]:
+        return self.session.run(None, self.feed)
