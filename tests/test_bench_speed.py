@@ -411,7 +411,7 @@ def test_weights_floor_multiplies_by_every_weight_of_the_artifact_in_place(artif
 
     art = open_artifact(artifacts("tiny-llama", "auto"))
     stored = onnx.load(str(art.model_file), load_external_data=False)
-    weights = weights_floor.weight_matmuls(stored)
+    weights = [w for w, _ in weights_floor.weight_matmuls(stored)]
     graph_matmuls = [n for n in stored.graph.node if n.op_type == "MatMul"]
     assert len(weights) == len(graph_matmuls) == 43  # 6 layers x 7 projections + lm_head
     model = weights_floor.floor_model(art)
@@ -423,15 +423,53 @@ def test_weights_floor_multiplies_by_every_weight_of_the_artifact_in_place(artif
     )
     assert weights_floor.weights_bytes(model) == sum(4 * int(np.prod(w.dims)) for w in weights)
     floor = weights_floor.WeightsFloor(art, batch=3, threads=1)
-    full = {
-        t.name: numpy_helper.to_array(t) for t in onnx.load(str(art.model_file)).graph.initializer
-    }
+    stored_with_data = onnx.load(str(art.model_file)).graph.initializer
+    full = {t.name: numpy_helper.to_array(t) for t in stored_with_data}
     outs = floor.step()
     assert len(outs) == len(weights)
     for w, y in zip(weights, outs, strict=True):
         x = floor.feed[f"rows_{w.dims[0]}"]
         assert x.shape == (3, w.dims[0])
         np.testing.assert_allclose(y, x @ full[w.name], rtol=1e-5, atol=1e-5)
+
+
+def test_weights_floor_reads_a_tied_lm_head_through_its_transpose():
+    """A tied embedding's lm_head multiplies by Transpose(embedding): the floor keeps that
+    weight (once, however many MatMuls read it) behind the same Transpose, and no Transpose of
+    an activation or MatMul of two activations counts."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(1)
+    emb, w = rng.standard_normal((10, 4), np.float32), rng.standard_normal((4, 6), np.float32)
+    f = onnx.TensorProto.FLOAT
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Transpose", ["emb"], ["emb_t"], perm=[1, 0]),
+        helper.make_node("MatMul", ["x", "emb_t"], ["logits"]),
+        helper.make_node("MatMul", ["x", "emb_t"], ["again"]),
+        helper.make_node("Transpose", ["x"], ["xt"]),
+        helper.make_node("MatMul", ["xt", "x"], ["gram"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", f, [2, 4])],
+        [helper.make_tensor_value_info(n, f, None) for n in ("h", "logits", "again", "gram")],
+        [numpy_helper.from_array(emb, "emb"), numpy_helper.from_array(w, "w")],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert [(t.name, tr) for t, tr in weights_floor.weight_matmuls(model)] == [
+        ("w", False), ("emb", True)
+    ]  # fmt: skip
+    floor = weights_floor.floor_graph(model)
+    assert [i.name for i in floor.graph.input] == ["rows_4"]
+    assert [n.op_type for n in floor.graph.node] == ["MatMul", "Transpose", "MatMul"]
+    assert weights_floor.weights_bytes(floor) == 4 * (emb.size + w.size)
+    x = rng.standard_normal((3, 4), np.float32)
+    y_w, y_emb = ort.InferenceSession(floor.SerializeToString()).run(None, {"rows_4": x})
+    np.testing.assert_allclose(y_w, x @ w, rtol=1e-6)
+    np.testing.assert_allclose(y_emb, x @ emb.T, rtol=1e-6)
 
 
 def test_report_renders_a_peer_run_with_kernels_sessions_load_and_bounds(tmp_path):

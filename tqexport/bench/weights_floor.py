@@ -20,37 +20,61 @@ SYSTEM = "ORT weight MatMuls only"
 EXTERNAL_FOLDER_ENTRY = "session.model_external_initializers_file_folder_path"
 
 
-def weight_matmuls(model: onnx.ModelProto) -> list[onnx.TensorProto]:
-    """The initializers ``model``'s top-level MatMuls multiply by (their second input), once
-    each, in graph order: the weights a decode step reads in full."""
+def weight_matmuls(model: onnx.ModelProto) -> list[tuple[onnx.TensorProto, bool]]:
+    """The weights ``model``'s top-level MatMuls multiply by, once each, in graph order: (the
+    initializer, whether the MatMul reads it through a 2-D Transpose, as a tied embedding's
+    lm_head does). These are the weights a decode step reads in full."""
     inits = {t.name: t for t in model.graph.initializer}
-    seen: dict[str, onnx.TensorProto] = {}
+    transposed = {
+        n.output[0]: n.input[0]
+        for n in model.graph.node
+        if n.op_type == "Transpose"
+        and n.input[0] in inits
+        and len(inits[n.input[0]].dims) == 2
+        and [list(a.ints) for a in n.attribute if a.name == "perm"] in ([], [[1, 0]])
+    }
+    seen: dict[str, tuple[onnx.TensorProto, bool]] = {}
     for node in model.graph.node:
-        if node.op_type == "MatMul" and node.input[1] in inits:
-            w = inits[node.input[1]]
-            if len(w.dims) == 2:
-                seen.setdefault(w.name, w)
+        if node.op_type != "MatMul":
+            continue
+        b = node.input[1]
+        if b in inits and len(inits[b].dims) == 2:
+            seen.setdefault(b, (inits[b], False))
+        elif b in transposed:
+            seen.setdefault(transposed[b], (inits[transposed[b]], True))
     return list(seen.values())
 
 
-def floor_model(artifact: Artifact) -> onnx.ModelProto:
-    """A graph of one MatMul per weight of ``artifact`` (input ``rows_K`` of shape [batch, K]
-    for each weight of K rows, output ``y<i>``), its initializers the artifact's tensors as
-    stored (external data stays external: nothing is copied)."""
-    src = onnx.load(str(artifact.model_file), load_external_data=False)
-    weights = weight_matmuls(src)
+def floor_graph(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A graph of one MatMul per weight of ``model`` (input ``rows_K`` of shape [batch, K] for
+    each weight of K rows as multiplied, output ``y<i>``; a transposed weight through the same
+    Transpose, which ORT folds at load as it does in the model), the initializers as stored
+    (external data stays external: nothing is copied)."""
+    weights = weight_matmuls(model)
     if not weights:
-        raise ValueError(f"{artifact.model_file} has no weight MatMul")
-    elem = weights[0].data_type
-    widths = sorted({w.dims[0] for w in weights})
-    inputs = [onnx.helper.make_tensor_value_info(f"rows_{k}", elem, ["batch", k]) for k in widths]
-    nodes, outputs = [], []
-    for i, w in enumerate(weights):
-        nodes.append(onnx.helper.make_node("MatMul", [f"rows_{w.dims[0]}", w.name], [f"y{i}"]))
-        outputs.append(onnx.helper.make_tensor_value_info(f"y{i}", elem, ["batch", w.dims[1]]))
-    graph = onnx.helper.make_graph(nodes, "weights_floor", inputs, outputs, list(weights))
-    opset = [o for o in src.opset_import if o.domain in ("", "ai.onnx")]
-    return onnx.helper.make_model(graph, opset_imports=opset, ir_version=src.ir_version)
+        raise ValueError("the model has no weight MatMul")
+    elem = weights[0][0].data_type
+    nodes, outputs, widths = [], [], set()
+    for i, (w, transposed) in enumerate(weights):
+        k, n = reversed(w.dims) if transposed else w.dims
+        b = w.name
+        if transposed:
+            b = f"{w.name}_t"
+            nodes.append(onnx.helper.make_node("Transpose", [w.name], [b], perm=[1, 0]))
+        nodes.append(onnx.helper.make_node("MatMul", [f"rows_{k}", b], [f"y{i}"]))
+        outputs.append(onnx.helper.make_tensor_value_info(f"y{i}", elem, ["batch", n]))
+        widths.add(k)
+    inputs = [
+        onnx.helper.make_tensor_value_info(f"rows_{k}", elem, ["batch", k]) for k in sorted(widths)
+    ]
+    graph = onnx.helper.make_graph(nodes, "weights_floor", inputs, outputs, [w for w, _ in weights])
+    opset = [o for o in model.opset_import if o.domain in ("", "ai.onnx")]
+    return onnx.helper.make_model(graph, opset_imports=opset, ir_version=model.ir_version)
+
+
+def floor_model(artifact: Artifact) -> onnx.ModelProto:
+    """:func:`floor_graph` of ``artifact``'s model (its weights left in the data file)."""
+    return floor_graph(onnx.load(str(artifact.model_file), load_external_data=False))
 
 
 def weights_bytes(model: onnx.ModelProto) -> int:
