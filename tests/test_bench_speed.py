@@ -393,11 +393,12 @@ def test_auto_over_genai_goals_name_the_weights_floor_where_the_run_measured_it(
             "1024, batch {}")  # fmt: skip
     assert details[goal.format(1)] == (
         "1.50x: auto / GenAI = 30.0 / 20.0 tokens/s; the bytes per step allow 1.00x; ORT's "
-        "weight MatMuls alone run at 24.0 tokens/s, 1.20x GenAI: no decoder on these weights "
-        "leads GenAI by more"
+        "weight MatMuls alone run at 24.0 tokens/s, 1.20x GenAI: no graph on these weights "
+        "through ORT leads GenAI by more"
     )
     assert details[goal.format(8)].endswith(
-        "alone run at 105.0 tokens/s, 1.05x GenAI: no decoder on these weights leads GenAI by more"
+        "alone run at 105.0 tokens/s, 1.05x GenAI: no graph on these weights through ORT leads "
+        "GenAI by more"
     )
     assert details[goal.format(1).replace("1024", "4096")] == "not measured in this run"
 

@@ -117,7 +117,7 @@ def kernel_goals(rows: list[dict], footprints: dict, prefix: str = "", genai: bo
         if goal["met"] is not None and floor and theirs:
             goal["detail"] += (
                 f"; ORT's weight MatMuls alone run at {floor:.1f} tokens/s, {floor / theirs:.2f}x "
-                "GenAI: no decoder on these weights leads GenAI by more"
+                "GenAI: no graph on these weights through ORT leads GenAI by more"
             )
         out.append(goal)
     c, b, least = NATIVE_OVER_BODIES

@@ -12,12 +12,10 @@ import onnx
 import onnxruntime as ort
 
 from tqexport.contract.artifact import Artifact
-from tqexport.runtime.backends.ort import session_options
+from tqexport.runtime.backends.ort import EXTERNAL_FOLDER_ENTRY, session_options
 
 #: the floor's system name in a peers run (its tokens/s: batch over the fastest step)
 SYSTEM = "ORT weight MatMuls only"
-#: ORT reads an in-memory model's external initializers from this folder
-EXTERNAL_FOLDER_ENTRY = "session.model_external_initializers_file_folder_path"
 
 
 def weight_matmuls(model: onnx.ModelProto) -> list[tuple[onnx.TensorProto, bool]]:

@@ -31,7 +31,7 @@ from tqexport.models.paged import PagedCausalLM
 from tqexport.native.library import choose as choose_kernels
 from tqexport.ops import reference
 from tqexport.ops.attributes import CACHE_WRITE, DOMAIN, PAGED_ATTENTION, attention_segments
-from tqexport.runtime.backends.ort import check_ops, providers
+from tqexport.runtime.backends.ort import EXTERNAL_FOLDER_ENTRY, check_ops, providers
 from tqexport.runtime.backends.torch import load_source_model
 from tqexport.spec import ModelSpec, block_tables_name, slot_mapping_name
 
@@ -98,10 +98,7 @@ class _TapSession:
             model.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
         self.output_names = [o.name for o in model.graph.output]
         opts = ort.SessionOptions()
-        opts.add_session_config_entry(
-            "session.model_external_initializers_file_folder_path",
-            str(artifact.model_file.parent),
-        )
+        opts.add_session_config_entry(EXTERNAL_FOLDER_ENTRY, str(artifact.model_file.parent))
         if threads:
             opts.intra_op_num_threads = threads
         if self.kernels.library is not None:

@@ -31,6 +31,10 @@ from tqexport.native.library import choose as choose_kernels
 #: threads that sleep instead of spinning between kernels (spinning threads take the cores
 #: from the ones working, from other sessions and other processes: up to 1.9x slower at
 #: batch 8 on 2 shared cores). Threads: ORT's default (one per physical core).
+#: the session config entry naming the folder an in-memory model's external initializers are
+#: read from (a graph edited in memory keeps reading the artifact's weights in place)
+EXTERNAL_FOLDER_ENTRY = "session.model_external_initializers_file_folder_path"
+
 DEFAULT_OPTIONS = {
     "graph_optimization_level": "all",
     "enable_mem_pattern": False,
