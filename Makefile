@@ -61,6 +61,8 @@ QUALITY_4K := $(BIN)/tqexport bench quality smollm2 --chunk 4096 --chunks 1 --js
 # calibration-tables` measures it again)
 KV_BUDGETS := 2.75,3.0,3.5,4.0,4.5
 CALIBRATION := $(REPORT_DIR)/calibration_smollm2.json
+# the default candidates less fp8 (what that table was measured on)
+SMOLLM2_CANDIDATES := tqx_k4v4:w24:s8,tqx_k4v3_mse:w24:s8,tqx_k4v2_mse:w24:s8,tqx_k4v2_mse:w56:s8,tqx_k4v2_mse,tqx_k3v3:w24:s8,tqx_k3v2_mse:w24:s8,tqx_k3v2_mse
 # SmolLM2 measured under --kv-key-transform center, with longer recent windows (an experiment
 # for --kv-bits ... --kv-key-transform center; docs/formats.md has what its plans measured)
 CENTER_TABLE := $(REPORT_DIR)/calibration_smollm2_center.json
@@ -102,7 +104,7 @@ bench: install
 	$(QUALITY_4K) --kv-cache-dtype tqx_k3v3 --boundary off --recent-window 28 --kv-sink-tokens 4 --kv-key-transform center,center+signs --no-peer > $(REPORT_DIR)/quality_4096_k3.json
 	$(QUALITY_4K) --kv-cache-dtype tqx_k4v3_mse --boundary off --recent-window 184 --kv-sink-tokens 8 --kv-key-transform center --no-peer > $(REPORT_DIR)/quality_4096_mse45.json
 	$(QUALITY_4K) --kv-cache-dtype tqx_k4v2_mse --boundary off --recent-window 60 --kv-sink-tokens 4 --kv-key-transform center --no-peer > $(REPORT_DIR)/quality_4096_mse35.json
-	test -f $(CALIBRATION) || $(BIN)/tqexport calibrate smollm2 -o $(CALIBRATION) --kv-key-transform center
+	test -f $(CALIBRATION) || $(BIN)/tqexport calibrate smollm2 -o $(CALIBRATION) --kv-key-transform center --candidates $(SMOLLM2_CANDIDATES)
 	$(QUALITY_4K) --kv-bits $(KV_BUDGETS) --calibration $(CALIBRATION) --kv-key-transform center --no-peer > $(REPORT_DIR)/quality_4096_budget.json
 	$(QUALITY) --kv-bits $(KV_BUDGETS) --calibration $(CALIBRATION) --kv-key-transform center --no-peer > $(REPORT_DIR)/quality_budget.json
 	$(QUALITY_GEMMA) $(foreach c,$(GEMMA_UNIFORM),--kv-layers $(c)) > $(REPORT_DIR)/quality_4096_gemma3-270m_uniform.json
@@ -138,7 +140,7 @@ bench-models: install
 
 # The calibration tables `make bench` reads (committed in docs/report; CPU minutes each)
 calibration-tables: install
-	$(BIN)/tqexport calibrate smollm2 -o $(CALIBRATION) --kv-key-transform center
+	$(BIN)/tqexport calibrate smollm2 -o $(CALIBRATION) --kv-key-transform center --candidates $(SMOLLM2_CANDIDATES)
 	$(BIN)/tqexport calibrate gemma3-270m -o $(GEMMA_TABLE) --tokens 256 --candidates $(GEMMA_CANDIDATES)
 	$(BIN)/tqexport calibrate smollm2 -o $(CENTER_TABLE) --kv-key-transform center --candidates $(CENTER_CANDIDATES)
 

@@ -228,10 +228,9 @@ def test_calibration_kl_is_the_benchmark_kl():
         (["calibrate", "tiny-llama", "-o", "x.json", "--tokens", "1"],
          "--tokens must be from 2 to 32768, got 1"),
         (["calibrate", "tiny-llama", "-o", "x.json", "--kv-key-transform", "center",
-          "--candidates", "tqx_k4v4,fp8"],
-         "--kv-key-transform center: candidate fp8 (layer 0): key transforms need a "
-         "tqexport-native TurboQuant dtype (tqx_*); vLLM's caches store plain keys. Use e.g. "
-         "tqx_k4v4, the layout of turboquant_4bit_nc; drop it from --candidates"),
+          "--candidates", "fp8,turboquant_4bit_nc"],
+         "--kv-key-transform center has no effect: no candidate is a tqexport-native "
+         "TurboQuant dtype (tqx_*); add one to --candidates or drop the transform"),
         (["calibrate", "tiny-gemma2", "-o", "x.json", "--kv-key-transform", "center"],
          "--kv-key-transform center: candidate tqx_k4v4:w24:s8 (layer 0): centering is not "
          "exact under a score softcap (tanh is not shift-invariant); use smooth and/or signs on "
@@ -312,12 +311,7 @@ def test_the_simulation_transforms_keys_as_the_executor_does():
 
 def test_a_table_measured_under_a_key_transform_serves_only_builds_with_it(tmp_path, capsys):
     """calibrate --kv-key-transform center records it; --kv-bits reads that table only with the
-    same transform (one error naming both fixes otherwise). The default candidates under a
-    transform are the tqx_* ones."""
-    assert cal.default_candidates(("center",)) == tuple(
-        c for c in cal.DEFAULT_CANDIDATES if c != "fp8"
-    )
-    assert cal.default_candidates(()) == cal.DEFAULT_CANDIDATES
+    same transform (one error naming both fixes otherwise)."""
     out = tmp_path / "cal.json"
     code, stdout, _ = main_inproc(capsys, "calibrate", "tiny-llama", "-o", out, "--candidates",
                                   "tqx_k4v4:w4,tqx_k3v2_mse", "--tokens", "24",
@@ -379,3 +373,43 @@ def test_bench_kv_bits_scores_plans_under_the_tables_key_transform(tmp_path):
         commands._budget_configs("tiny-llama", "3.5", path, {}, "center,none")
     with pytest.raises(TQExportError, match=r"under --kv-key-transform center, not none; "):
         commands._budget_configs("tiny-llama", "3.5", path, {})
+
+
+def test_under_a_key_transform_fp8_candidates_keep_plain_keys_and_plans_mix_them(tmp_path, capsys):
+    """fp8 cannot take a transform: under center its costs are exactly the untransformed table's,
+    the tqx_* ones differ; the chosen plan builds with fp8 layers plain and tqx_* layers keyed."""
+    from tqexport.export.artifact import BuildOptions, resolve_spec
+    from tqexport.models.loader import load_model
+
+    tables = {}
+    for kinds in ("none", "center"):
+        out = tmp_path / f"{kinds}.json"
+        code, stdout, _ = main_inproc(capsys, "calibrate", "tiny-llama", "-o", out, "--candidates",
+                                      "fp8,tqx_k3v2_mse", "--tokens", "24",
+                                      "--kv-key-transform", kinds)  # fmt: skip
+        assert code == 0, stdout
+        tables[kinds] = cal.read_table(out)
+    fp8 = [[row[0] for row in tables[k].cost] for k in ("none", "center")]
+    tqx = [[row[1] for row in tables[k].cost] for k in ("none", "center")]
+    assert fp8[0] == fp8[1]
+    assert tqx[0] != tqx[1]
+    desc = describe_model("tiny-llama")
+    plan = choose(desc, tables["center"], 5.0)
+    kinds = {c.split(":")[0] for c in plan.candidates}
+    assert {"fp8", "tqx_k3v2_mse"} <= kinds, plan.candidates
+    lm = load_model("tiny-llama", "float32")
+    options = BuildOptions("auto", kv_layers=plan.kv_layers, key_transform="center")
+    spec, _ = resolve_spec("tiny-llama", lm, options)
+    for layer, candidate in zip(spec.layers, plan.candidates):
+        keyed = layer.key_transform is not None
+        assert keyed == candidate.startswith("tqx_"), (layer.index, candidate)
+
+
+def test_a_key_transform_with_no_tqx_candidate_is_refused(capsys, tmp_path):
+    code, stdout, err = main_inproc(capsys, "calibrate", "tiny-llama", "-o", tmp_path / "x.json",
+                                    "--candidates", "fp8", "--kv-key-transform", "center")  # fmt: skip
+    assert (code, stdout) == (2, "")
+    assert err == (
+        "error: --kv-key-transform center has no effect: no candidate is a tqexport-native "
+        "TurboQuant dtype (tqx_*); add one to --candidates or drop the transform\n"
+    )

@@ -104,7 +104,8 @@ def test_bad_entries_are_one_error_naming_the_entry(text, message):
          "--kv-layers 0:fp8:s4: s4 needs a recent window (the sink tokens are kept in it); add "
          "wN to the entry or give --kv-recent-window"),
         (("auto",), {"kv_layers": "0:fp8", "key_transform": ("center",)},
-         "--kv-key-transform center: layer 0: key transforms need a tqexport-native"),
+         "--kv-key-transform center has no effect: --kv-layers 0:fp8 and --kv-cache-dtype auto "
+         "give no layer a tqexport-native TurboQuant dtype (tqx_*); drop it"),
     ],
 )  # fmt: skip
 def test_conflicts_with_the_global_options_name_both(args, kw, message):

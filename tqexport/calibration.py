@@ -8,7 +8,8 @@ Default text: the held-out pydoc topics the key transforms fit on
 (:func:`~tqexport.export.artifact.held_out_calibration_text`), which the evaluation windows
 never see. Under a key transform (``--kv-key-transform``) the chosen layer's keys are
 transformed as a build with that transform stores them (fitted on the calibration text), so a
-table predicts the builds of its own transform only.
+table predicts the builds of its own transform only; candidates that cannot take one (fp8)
+are measured with plain keys, as a ``--kv-layers`` build under that transform stores them.
 
 The table file (JSON, ``format`` ``tqexport-kv-calibration``, ``version`` 2; version 1 is
 read as ``key_transform`` ``none``)::
@@ -152,22 +153,23 @@ def check_fits(table: Table, desc, path) -> None:
             )
 
 
-def default_candidates(kinds: tuple[str, ...]) -> tuple[str, ...]:
-    """The default candidates a key transform can take (tqx_* TurboQuant ones; all without)."""
-    if not kinds:
-        return DEFAULT_CANDIDATES
-    return tuple(c for c in DEFAULT_CANDIDATES if _native_turboquant(c))
-
-
 def _native_turboquant(candidate: str) -> bool:
     entry = parse_kv_cache_dtype(candidate.split(":", 1)[0])
     return entry.native and entry.is_turboquant
 
 
 def check_transform(desc, candidates: tuple[str, ...], kinds: tuple[str, ...]) -> None:
-    """Every candidate must take the key transform in every layer (as a build would check)."""
+    """Every tqx_* candidate must take the key transform in every layer (as a build would
+    check); the others keep plain keys."""
     label = transforms.key_transform_label(kinds)
+    if kinds and not any(_native_turboquant(c) for c in candidates):
+        raise TQExportError(
+            f"--kv-key-transform {label} has no effect: no candidate is a tqexport-native "
+            "TurboQuant dtype (tqx_*); add one to --candidates or drop the transform"
+        )
     for c in candidates:
+        if not _native_turboquant(c):
+            continue
         for la in desc.layers:
             why = transforms.refusal(kinds, _native_turboquant(c), la.softcap)
             if why:
@@ -262,7 +264,8 @@ def measure(
         for j, e in enumerate(entries):
             index = lm.description.layers[pos].index
             window, sinks = e.recent_window or 0, e.sink_tokens or 0
-            logits = sim.logits(pos, e.dtype, window, sinks, fitted.get(index))
+            keyed = fitted.get(index) if _native_turboquant(candidates[j]) else None
+            logits = sim.logits(pos, e.dtype, window, sinks, keyed)
             row.append(max(kl(logits), 0.0))
             progress(pos * len(entries) + j + 1, n * len(entries))
         cost.append(tuple(row))

@@ -426,7 +426,8 @@ def calibrate(
         typer.Option(
             "--kv-key-transform",
             help="Measure under this key transform (fitted on the calibration text), for "
-            "--kv-bits builds with the same one; default candidates: the tqx_* ones.",
+            "--kv-bits builds with the same one: the tqx_* candidates take it, the others "
+            "(fp8) keep plain keys.",
         ),
     ] = "none",
 ):
@@ -436,11 +437,7 @@ def calibrate(
     from tqexport.kvquant.transforms import parse_key_transform
 
     kinds = parse_key_transform(key_transform)
-    cands = (
-        cal.parse_candidates(candidates)
-        if candidates is not None
-        else cal.default_candidates(kinds)
-    )
+    cands = cal.parse_candidates(candidates) if candidates is not None else cal.DEFAULT_CANDIDATES
     validate.integer(tokens, "--tokens", 2, cal.MAX_TOKENS)
     if calibration_text is not None:
         validate.text_file(calibration_text, "--calibration-text")

@@ -120,8 +120,7 @@ def budget_plan(
     else:
         say(f"--kv-bits {kv_bits:g}: no --calibration, measuring the costs now (`tqexport "
             "calibrate MODEL -o FILE` keeps them for the next run)")  # fmt: skip
-        cands = cal.default_candidates(key_transform)
-        table = cal.measure(model, cands, key_transform=key_transform)
+        table = cal.measure(model, cal.DEFAULT_CANDIDATES, key_transform=key_transform)
         where = f"measured now in {table.elapsed_seconds:.0f} s"
     choice = choose(desc, table, kv_bits)
     say(f"--kv-bits {kv_bits:g}: {len(table.candidates)} candidates' costs from {where}")

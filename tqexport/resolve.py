@@ -124,7 +124,8 @@ def resolve(
     ``recent_window`` N > 0 also keeps the last N tokens of every quantized layer in the model
     dtype (a sliding layer keeps at most its own window), and ``sink_tokens`` S > 0 the first
     S tokens of every sequence there as well. ``key_transform`` names the kinds of
-    exact key transform every quantized layer takes (checked here); ``key_transforms`` holds
+    exact key transform every quantized layer takes (checked here; with ``kv_layers``, every
+    ``tqx_*`` layer, the others keeping plain keys); ``key_transforms`` holds
     them per layer index once fitted (None: checked only, e.g. before weights load).
     ``kv_layers`` (the ``--kv-layers`` grammar, :mod:`tqexport.kv_layers`) gives ranges of
     layers their own dtype, window and sinks; the others get all of the above."""
@@ -178,16 +179,20 @@ def resolve(
     group_of = {ix: g.id for g in groups if not g.recent for ix in g.layers}
     recent_group_of = {ix: g.id for g in groups if g.recent for ix in g.layers}
     kv_scales = kv_scales or {}
-    #: the layers a key transform applies to: every one the global dtype or an entry quantizes
+    #: the layers a key transform applies to: every one the global dtype quantizes; with
+    #: --kv-layers, every quantized layer whose dtype takes one (tqx_*: the others store plain
+    #: keys, so a per-layer plan may mix fp8 and transformed tqx_* layers)
     keyed = {
         pos
         for pos in range(len(layers))
-        if pos not in skipped and (not own or parse_kv_cache_dtype(dtypes[pos]).mode.is_quantized)
+        if pos not in skipped
+        and (not own or _takes_key_transform(parse_kv_cache_dtype(dtypes[pos])))
     }
     if key_transform and own and not keyed:
         raise ResolveError(
             f"--kv-key-transform {key_transform_label(key_transform)} has no effect: "
-            f"{KV_LAYERS} and --kv-cache-dtype {kv_cache_dtype} quantize no layer; drop it"
+            f"{KV_LAYERS} {kv_layers} and --kv-cache-dtype {kv_cache_dtype} give no layer a "
+            "tqexport-native TurboQuant dtype (tqx_*); drop it"
         )
     for pos, la in enumerate(layers):
         layer_entry = parse_kv_cache_dtype(dtypes[pos])
@@ -248,6 +253,11 @@ def resolve(
         | ({"kv_layers": canonical(ranges)} if ranges else {}),
     )
     return Resolution(spec, tuple(warnings))
+
+
+def _takes_key_transform(entry) -> bool:
+    """A quantized tqexport-native TurboQuant dtype: the caches a key transform can apply to."""
+    return entry.mode.is_quantized and entry.native and entry.is_turboquant
 
 
 def _coverage(own: dict, num_layers: int, kv_cache_dtype: str, text: str) -> list[str]:
