@@ -642,6 +642,35 @@ def test_report_sets_each_kv_bits_budget_beside_the_best_single_configuration(tm
     assert "ppl_vs_kv_bits.png" in files
     md = (tmp_path / "report.md").read_text()
     assert ("| 1 x 4096 | 3.5 | 3.492 | 0.00500 | 0.01000 | +0.70% | tqx_k4v2_mse recent 60 "
-            "(3.50): +1.45% | +5.00% |") in md  # fmt: skip
-    assert "| 1 x 4096 | 3 | 2.969 | 0.01000 | 0.02000 | +2.00% | - | +5.00% |" in md
+            "(3.50): +1.45% | +5.00% (4.50) |") in md  # fmt: skip
+    assert "| 1 x 4096 | 3 | 2.969 | 0.01000 | 0.02000 | +2.00% | - | +5.00% (4.50) |" in md
     assert md.index("## Per-layer precision under a bits budget") < md.index("## Goals")
+
+
+def test_model_report_gives_each_model_its_budget_section(tmp_path):
+    """A real model's --kv-bits runs get their own table and plot in models.md, beside the best
+    single configuration within each budget and q4_0 at its own bits (a sliding model's share)."""
+    from tqexport.bench import model_report
+
+    budget = {"label": "kv-bits 2", "kv_cache_dtype": "auto", "ppl": 10.05, "kl": 0.01,
+              "bits_per_element": 1.98, "kv_bits": 2.0, "predicted_kl": 0.004,
+              "kv_layers": "0-29:tqx_k4v2_mse:w24:s8"}  # fmt: skip
+    q4 = {"tool": "llama.cpp", "gguf": "g", "runs": [
+        {"kv_type": "f16", "ppl": 20.0, "bits_per_element": 4.33},
+        {"kv_type": "q4_0", "ppl": 22.0, "bits_per_element": 1.22}]}  # fmt: skip
+    part = _part(4096, [("fp8", 10.1, 2.17), ("tqx_k4v3_mse recent 184", 10.2, 1.71)], q4)
+    part["quality"]["runs"].append(budget)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "quality_4096.json").write_text(json.dumps(part))
+    (tmp_path / "results.json").write_text((ROOT / "docs/report/results.json").read_text())
+    results = model_report.build(tmp_path, ["m"])
+    [row] = results["models"][0]["budgets"]
+    assert (row["uniform"]["label"], row["q4_0_bits_per_element"]) == ("tqx_k4v3_mse recent 184",
+                                                                        1.22)  # fmt: skip
+    files = [f.name for f in model_report.write(tmp_path, results)]
+    assert files[-1] == "ppl_vs_kv_bits.png" and (tmp_path / "m" / "ppl_vs_kv_bits.png").exists()
+    md = (tmp_path / "models.md").read_text()
+    assert "### m: per-layer precision under a bits budget" in md
+    assert ("| 1 x 4096 | 2 | 1.980 | 0.00400 | 0.01000 | +0.50% | tqx_k4v3_mse recent 184 "
+            "(1.71): +2.00% | +10.00% (1.22) |") in md  # fmt: skip
+    assert "![PPL change vs --kv-bits budget](m/ppl_vs_kv_bits.png)" in md

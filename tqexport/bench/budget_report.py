@@ -43,6 +43,7 @@ def budget_rows(sections: list[tuple[dict, list[dict]]]) -> list[dict]:
                     "label": best["label"], "bits_per_element": best["bits_per_element"],
                     "ppl_delta_pct": best["ppl_delta_pct"]},
                 "q4_0_ppl_delta_pct": None if q4 is None else q4["ppl_delta_pct"],
+                "q4_0_bits_per_element": None if q4 is None else q4["bits_per_element"],
             })  # fmt: skip
     return sorted(out, key=lambda b: (b["chunk_tokens"], b["kv_bits"]))
 
@@ -65,7 +66,13 @@ def budget_goals(brows: list[dict]) -> list[dict]:
     return out
 
 
-def budget_markdown(brows: list[dict]) -> list[str]:
+def budget_markdown(
+    brows: list[dict],
+    heading: str = "## Per-layer precision under a bits budget",
+    plot: str = PLOT,
+) -> list[str]:
+    """The section: a table of every budget run and the plot (``plot``: its path from the
+    markdown file)."""
     if not brows:
         return []
     rows = []
@@ -77,18 +84,19 @@ def budget_markdown(brows: list[dict]) -> list[str]:
             f"{b['ppl_delta_pct']:+.2f}%",
             "-" if u is None else f"{u['label']} ({u['bits_per_element']:.2f}): "
             f"{u['ppl_delta_pct']:+.2f}%",
-            "-" if b["q4_0_ppl_delta_pct"] is None else f"{b['q4_0_ppl_delta_pct']:+.2f}%",
+            "-" if b["q4_0_ppl_delta_pct"] is None else f"{b['q4_0_ppl_delta_pct']:+.2f}% "
+            f"({_q4_bits(b):.2f})",
         ])  # fmt: skip
     return [
         "",
-        "## Per-layer precision under a bits budget",
+        heading,
         "",
         "`--kv-bits B`: each layer's cache (format, recent window, sink tokens) chosen from the "
         "calibration table (`tqexport calibrate`) to least predicted cost within B bits per "
         "element all in. Predicted KL: the sum of the chosen candidates' measured costs, each "
         "with only its layer changed; measured KL and perplexity change: the run through the "
         "paged caches. Beside it the best other configuration of the same windows within the "
-        "budget, and llama.cpp q4_0 (4.5 bits).",
+        "budget, and llama.cpp q4_0 (its bits per element all in, in brackets).",
         "",
         md_table(
             [
@@ -104,8 +112,13 @@ def budget_markdown(brows: list[dict]) -> list[str]:
             rows,
         ),  # fmt: skip
         "",
-        f"![PPL change vs --kv-bits budget]({PLOT})",
+        f"![PPL change vs --kv-bits budget]({plot})",
     ]
+
+
+def _q4_bits(b: dict) -> float:
+    """q4_0's bits per element all in (4.5 in rows written before they carried it)."""
+    return b.get("q4_0_bits_per_element") or 4.5
 
 
 def plot_budgets(brows: list[dict], path: Path) -> None:
@@ -136,12 +149,11 @@ def plot_budgets(brows: list[dict], path: Path) -> None:
                 color=f"C{i}",
                 label=f"best single configuration, {tokens}-token windows",
             )
-        q4 = next((b["q4_0_ppl_delta_pct"] for b in pts if b["q4_0_ppl_delta_pct"] is not None),
-                  None)  # fmt: skip
+        q4 = next((b for b in pts if b["q4_0_ppl_delta_pct"] is not None), None)
         if q4 is not None:
             ax.scatter(
-                [4.5],
-                [q4],
+                [_q4_bits(q4)],
+                [q4["q4_0_ppl_delta_pct"]],
                 marker="s",
                 color=f"C{i}",
                 label=f"llama.cpp q4_0, {tokens}-token windows",

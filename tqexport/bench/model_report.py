@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from tqexport.bench import report
+from tqexport.bench import budget_report, report
 from tqexport.bench.markdown import table as md_table
 from tqexport.errors import TQExportError
 
@@ -100,7 +100,11 @@ def build(report_dir: Path, models: list[str]) -> dict:
         for sec in sections:
             ref = reference.get(sec["chunk_tokens"])
             sec["flips"] = flips(ref, sec["rows"]) if ref else None
-        out.append({"model": model, "about": ABOUT.get(model, model), "sections": sections})
+        budgets = budget_report.budget_rows(
+            [(sec["quality"]["chunking"], sec["rows"]) for sec in sections]
+        )
+        out.append({"model": model, "about": ABOUT.get(model, model), "sections": sections,
+                    "budgets": budgets})  # fmt: skip
     return {"machine": report.machine(), "reference": REFERENCE, "models": out}
 
 
@@ -145,6 +149,10 @@ def markdown(results: dict) -> str:
                 sec["rows"], sec["peer"], sec["peer_note"], plot,
             )  # fmt: skip
             parts += [""] + _flip_lines(model, sec)
+        parts += budget_report.budget_markdown(
+            entry.get("budgets", []), f"### {model}: per-layer precision under a bits budget",
+            f"{model}/{budget_report.PLOT}",
+        )  # fmt: skip
     return "\n".join(parts) + "\n"
 
 
@@ -156,6 +164,10 @@ def write(report_dir: Path, results: dict) -> list[Path]:
         for sec in entry["sections"]:
             plot = report_dir / entry["model"] / f"ppl_vs_bits_{sec['chunk_tokens']}.png"
             report.plot_quality(sec["rows"], plot)
+            files.append(plot)
+        if entry.get("budgets"):
+            plot = report_dir / entry["model"] / budget_report.PLOT
+            budget_report.plot_budgets(entry["budgets"], plot)
             files.append(plot)
     files[1].write_text(markdown(results))
     return files
