@@ -69,15 +69,11 @@ CENTER_TABLE := $(REPORT_DIR)/calibration_smollm2_center.json
 CENTER_CANDIDATES := tqx_k4v4:w24:s8,tqx_k4v3_mse:w24:s8,tqx_k4v2_mse:w24:s8,tqx_k4v2_mse:w56:s8,tqx_k4v2_mse:w120:s8,tqx_k4v2_mse,tqx_k3v3:w24:s8,tqx_k3v2_mse:w24:s8,tqx_k3v2_mse:w56:s8,tqx_k3v2_mse:w120:s8,tqx_k3v2_mse:w184:s8,tqx_k3v2_mse
 VLLM_DTYPES := fp8,fp8_e5m2,int8_per_token_head,fp8_per_token_head,int4_per_token_head,nvfp4,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc
 TQ_DTYPES := turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,tqx_k4v4_g32,tqx_k4v3_g32,tqx_k4v3_mse,tqx_k4v2_mse
-# Gemma 3 270M (needs ~12 GB of memory per run): --kv-bits at the bits of two uniform plans
-# (tqx_k4v3_mse w184 s8 on every layer; tqx_k4v2_mse w60 s4 on the full layers only) against
-# uniform plans, from the committed calibration table (`make calibration-tables` remeasures it)
-QUALITY_GEMMA := $(BIN)/tqexport bench quality gemma3-270m --chunk 4096 --chunks 1 --json --no-peer
+# Gemma 3 270M, first calibration table (no key transform, 4 candidates): the plans of
+# --kv-bits 1.71484375 and 2.21875 against uniform plans
 GEMMA_TABLE := $(REPORT_DIR)/calibration_gemma3-270m.json
 GEMMA_CANDIDATES := fp8,tqx_k4v4:w24:s8,tqx_k4v3_mse:w24:s8,tqx_k4v2_mse:w24:s8
 GEMMA_SW := 0-4:auto,5:tqx_k4v2_mse:w60:s4,6-10:auto,11:tqx_k4v2_mse:w60:s4,12-16:auto,17:tqx_k4v2_mse:w60:s4
-GEMMA_UNIFORM := 0-17:tqx_k4v2_mse:w60:s4 0-17:tqx_k4v3_mse:w184:s8 0-17:fp8 $(GEMMA_SW)
-GEMMA_BUDGETS := 1.71484375,2.21875
 # the same comparisons on one 512-token window (~8 GB; what this machine could run): the plans
 # --kv-bits 1.71484375 and 2.21875 choose from the table, as --kv-layers
 QUALITY_GEMMA_512 := $(BIN)/tqexport bench quality gemma3-270m --chunk 512 --chunks 1 --json --no-peer
@@ -107,8 +103,6 @@ bench: install
 	test -f $(CALIBRATION) || $(BIN)/tqexport calibrate smollm2 -o $(CALIBRATION) --kv-key-transform center --candidates $(SMOLLM2_CANDIDATES)
 	$(QUALITY_4K) --kv-bits $(KV_BUDGETS) --calibration $(CALIBRATION) --kv-key-transform center --no-peer > $(REPORT_DIR)/quality_4096_budget.json
 	$(QUALITY) --kv-bits $(KV_BUDGETS) --calibration $(CALIBRATION) --kv-key-transform center --no-peer > $(REPORT_DIR)/quality_budget.json
-	$(QUALITY_GEMMA) $(foreach c,$(GEMMA_UNIFORM),--kv-layers $(c)) > $(REPORT_DIR)/quality_4096_gemma3-270m_uniform.json
-	$(QUALITY_GEMMA) --kv-bits $(GEMMA_BUDGETS) --calibration $(GEMMA_TABLE) > $(REPORT_DIR)/quality_4096_gemma3-270m_budget.json
 	$(QUALITY_GEMMA_512) --kv-layers $(GEMMA_PLAN_171) --kv-layers 0-17:tqx_k4v3_mse:w184:s8 > $(REPORT_DIR)/quality_512_gemma3-270m_budget1.71.json
 	$(QUALITY_GEMMA_512) --kv-layers $(GEMMA_PLAN_222) --kv-layers $(GEMMA_SW) --kv-layers 0-17:fp8 > $(REPORT_DIR)/quality_512_gemma3-270m_budget2.22.json
 	$(BIN)/python benchmarks/peers_speed.py --json $(REPORT_DIR)/speed_peers.json
@@ -126,6 +120,21 @@ MODEL_WINDOWS := 1024 4096
 VLLM_TQ := turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc
 NATIVE_45 := tqx_k4v3_mse --boundary off --recent-window 184 --kv-sink-tokens 8 --kv-key-transform center
 NATIVE_35 := tqx_k4v2_mse --boundary off --recent-window 60 --kv-sink-tokens 4 --kv-key-transform center
+# --kv-bits per model from its committed table (measured under --kv-key-transform center, fp8
+# with plain keys; `make calibration-tables` remeasures them): Qwen's budgets 3 to 4.5; Gemma's
+# at the bits of its uniform tqx_k4v2_mse w60 s4, tqx_k4v3_mse w184 s8 and fp8 (1.08, 1.71, 2.17)
+MODEL_CANDIDATES := fp8,tqx_k4v4:w24:s8,tqx_k4v3_mse:w24:s8,tqx_k4v2_mse:w24:s8,tqx_k3v2_mse:w24:s8
+MODEL_BUDGETS_qwen2.5-coder-0.5b := 3.0,3.5,4.0,4.5
+MODEL_BUDGETS_gemma3-270m := 1.08,1.715,2.17
+MODEL_TABLE_qwen2.5-coder-0.5b := $(REPORT_DIR)/calibration_qwen2.5-coder-0.5b.json
+MODEL_TABLE_gemma3-270m := $(REPORT_DIR)/calibration_gemma3-270m_center.json
+MODEL_CALIBRATE := --tokens 256 --kv-key-transform center --candidates $(MODEL_CANDIDATES)
+define model_budgets
+	test -f $(MODEL_TABLE_$(1)) || $(BIN)/tqexport calibrate $(1) -o $(MODEL_TABLE_$(1)) $(MODEL_CALIBRATE)
+	for w in $(MODEL_WINDOWS); do $(MODEL_QUALITY) $(1) --chunk $$w --kv-bits $(MODEL_BUDGETS_$(1)) \
+	--calibration $(MODEL_TABLE_$(1)) --kv-key-transform center --no-peer \
+	> $(REPORT_DIR)/$(1)/quality_budget_$$w.json || exit 1; done
+endef
 
 bench-models: install
 	for m in gemma3-270m qwen2.5-coder-0.5b; do for w in $(MODEL_WINDOWS); do \
@@ -136,12 +145,16 @@ bench-models: install
 	$$q --kv-cache-dtype $(NATIVE_35) --no-peer > $$d/quality_mse35_$$w.json \
 	|| exit 1; done; done
 	for w in $(MODEL_WINDOWS); do $(MODEL_QUALITY) gemma3-270m --chunk $$w --kv-cache-dtype turboquant_4bit_nc,turboquant_3bit_nc --skip-layers sw --no-peer > $(REPORT_DIR)/gemma3-270m/quality_sw_$$w.json || exit 1; done
+	$(call model_budgets,gemma3-270m)
+	$(call model_budgets,qwen2.5-coder-0.5b)
 	$(BIN)/python -m tqexport.bench.model_report $(REPORT_DIR) gemma3-270m qwen2.5-coder-0.5b
 
 # The calibration tables `make bench` reads (committed in docs/report; CPU minutes each)
 calibration-tables: install
 	$(BIN)/tqexport calibrate smollm2 -o $(CALIBRATION) --kv-key-transform center --candidates $(SMOLLM2_CANDIDATES)
 	$(BIN)/tqexport calibrate gemma3-270m -o $(GEMMA_TABLE) --tokens 256 --candidates $(GEMMA_CANDIDATES)
+	$(BIN)/tqexport calibrate gemma3-270m -o $(MODEL_TABLE_gemma3-270m) $(MODEL_CALIBRATE)
+	$(BIN)/tqexport calibrate qwen2.5-coder-0.5b -o $(MODEL_TABLE_qwen2.5-coder-0.5b) $(MODEL_CALIBRATE)
 	$(BIN)/tqexport calibrate smollm2 -o $(CENTER_TABLE) --kv-key-transform center --candidates $(CENTER_CANDIDATES)
 
 # The generated parts of the docs: the CLI reference (typer's own generator) and the README's

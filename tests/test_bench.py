@@ -214,6 +214,11 @@ def test_quality_parts_merge_only_when_comparable():
     assert note is None
     with pytest.raises(TQExportError, match="differ in model, text, chunking or baseline"):
         report.merge_quality([{"quality": q}, {"quality": {**q, "chunking": {"chunks": 3}}}], "m")
+    rerun = {**q, "baseline": {"label": "auto", "ppl": 10.0 * (1 + 2e-10)}}
+    assert report.merge_quality([{"quality": q}, {"quality": rerun}], "m")[0]["runs"]
+    moved = {**q, "baseline": {"label": "auto", "ppl": 10.0 * (1 + 2e-9)}}
+    with pytest.raises(TQExportError, match="differ in model, text, chunking or baseline"):
+        report.merge_quality([{"quality": q}, {"quality": moved}], "m")
 
 
 def test_artifact_dir_is_scored_on_onnx_runtime_like_the_torch_path(artifacts):
@@ -659,6 +664,7 @@ def test_model_report_gives_each_model_its_budget_section(tmp_path):
         {"kv_type": "f16", "ppl": 20.0, "bits_per_element": 4.33},
         {"kv_type": "q4_0", "ppl": 22.0, "bits_per_element": 1.22}]}  # fmt: skip
     part = _part(4096, [("fp8", 10.1, 2.17), ("tqx_k4v3_mse recent 184", 10.2, 1.71)], q4)
+    part["quality"]["runs"][1]["kl"] = 0.0125
     part["quality"]["runs"].append(budget)
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "quality_4096.json").write_text(json.dumps(part))
@@ -672,5 +678,5 @@ def test_model_report_gives_each_model_its_budget_section(tmp_path):
     md = (tmp_path / "models.md").read_text()
     assert "### m: per-layer precision under a bits budget" in md
     assert ("| 1 x 4096 | 2 | 1.980 | 0.00400 | 0.01000 | +0.50% | tqx_k4v3_mse recent 184 "
-            "(1.71): +2.00% | +10.00% (1.22) |") in md  # fmt: skip
+            "(1.71): +2.00%, KL 0.01250 | +10.00% (1.22) |") in md  # fmt: skip
     assert "![PPL change vs --kv-bits budget](m/ppl_vs_kv_bits.png)" in md

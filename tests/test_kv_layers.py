@@ -198,6 +198,19 @@ def test_built_mixed_artifact_matches_the_reference(artifacts):
     assert run_parity(art, steps=2, prompt_len=20, batch=2).ok
 
 
+def test_built_plan_mixing_fp8_and_centred_tqx_layers_matches_the_reference(artifacts):
+    """What --kv-bits under --kv-key-transform center builds: fp8 layers with plain keys beside
+    tqx_* layers with fitted centres, through ONNX Runtime as through the torch reference."""
+    from tqexport.verify.parity import run_parity
+
+    kv = "0:fp8,1-4:tqx_k4v3_mse:w8:s2,5:auto"
+    art = open_artifact(artifacts("tiny-llama", "auto", kv_layers=kv, key_transform="center"))
+    assert [la.key_transform is not None for la in art.spec.layers] == [False] + [True] * 4 + [
+        False]  # fmt: skip
+    assert art.spec.layers[1].key_transform.kinds == ("center",)
+    assert run_parity(art, steps=2, prompt_len=20, batch=2).ok
+
+
 def test_bench_quality_scores_a_kv_layers_configuration(monkeypatch):
     from tqexport.bench import matrix
 

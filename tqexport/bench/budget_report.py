@@ -41,7 +41,7 @@ def budget_rows(sections: list[tuple[dict, list[dict]]]) -> list[dict]:
                 "ppl_delta_pct": r["ppl_delta_pct"], "kv_layers": r.get("kv_layers"),
                 "uniform": None if best is None else {
                     "label": best["label"], "bits_per_element": best["bits_per_element"],
-                    "ppl_delta_pct": best["ppl_delta_pct"]},
+                    "ppl_delta_pct": best["ppl_delta_pct"], "kl": best.get("kl")},
                 "q4_0_ppl_delta_pct": None if q4 is None else q4["ppl_delta_pct"],
                 "q4_0_bits_per_element": None if q4 is None else q4["bits_per_element"],
             })  # fmt: skip
@@ -83,7 +83,7 @@ def budget_markdown(
             f"{b['bits_per_element']:.3f}", f"{b['predicted_kl']:.5f}", f"{b['kl']:.5f}",
             f"{b['ppl_delta_pct']:+.2f}%",
             "-" if u is None else f"{u['label']} ({u['bits_per_element']:.2f}): "
-            f"{u['ppl_delta_pct']:+.2f}%",
+            f"{u['ppl_delta_pct']:+.2f}%" + ("" if u.get("kl") is None else f", KL {u['kl']:.5f}"),
             "-" if b["q4_0_ppl_delta_pct"] is None else f"{b['q4_0_ppl_delta_pct']:+.2f}% "
             f"({_q4_bits(b):.2f})",
         ])  # fmt: skip
