@@ -406,8 +406,9 @@ def test_under_a_key_transform_fp8_candidates_keep_plain_keys_and_plans_mix_them
 
 
 def test_a_key_transform_with_no_tqx_candidate_is_refused(capsys, tmp_path):
-    code, stdout, err = main_inproc(capsys, "calibrate", "tiny-llama", "-o", tmp_path / "x.json",
-                                    "--candidates", "fp8", "--kv-key-transform", "center")  # fmt: skip
+    out = tmp_path / "x.json"
+    code, stdout, err = main_inproc(capsys, "calibrate", "tiny-llama", "-o", out, "--candidates",
+                                    "fp8", "--kv-key-transform", "center")  # fmt: skip
     assert (code, stdout) == (2, "")
     assert err == (
         "error: --kv-key-transform center has no effect: no candidate is a tqexport-native "
