@@ -414,3 +414,11 @@ def test_a_key_transform_with_no_tqx_candidate_is_refused(capsys, tmp_path):
         "error: --kv-key-transform center has no effect: no candidate is a tqexport-native "
         "TurboQuant dtype (tqx_*); add one to --candidates or drop the transform\n"
     )
+
+
+def test_calibrate_makes_the_table_folder(capsys, tmp_path):
+    out = tmp_path / "new" / "costs.json"
+    code, stdout, _ = main_inproc(capsys, "calibrate", "tiny-llama", "-o", out, "--candidates",
+                                  "fp8", "--tokens", "8")  # fmt: skip
+    assert code == 0, stdout
+    assert cal.read_table(out).candidates == ("fp8",)

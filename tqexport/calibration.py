@@ -104,9 +104,11 @@ class Table:
         }
 
     def write(self, path: Path) -> None:
-        """Written to a sibling first and renamed: never a half-written table."""
+        """Written to a sibling first and renamed: never a half-written table (its folder made
+        if missing, as build makes its output's)."""
         tmp = path.with_name(f".{path.name}.tmp")
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
             tmp.replace(path)
         except OSError as e:
