@@ -529,11 +529,13 @@ def test_a_failing_request_fails_alone_and_the_batch_goes_on(live, monkeypatch):
         got[seed] = r.status_code, r.text
 
     threads = [threading.Thread(target=victim, args=(i,)) for i in range(len(CONCURRENT))]
-    threads += [threading.Thread(target=failing, args=(666, False)),
-                threading.Thread(target=failing, args=(667, True))]  # fmt: skip
     for t in threads:
         t.start()
-    assert all(e.wait(30) for e in first)  # every victim is generating
+    assert all(e.wait(30) for e in first)  # every victim is generating: the failing ones join
+    threads += [threading.Thread(target=failing, args=(666, False)),
+                threading.Thread(target=failing, args=(667, True))]  # fmt: skip
+    for t in threads[len(CONCURRENT) :]:
+        t.start()
     body = {"model": MODEL, "messages": MESSAGES, "temperature": 1.0, "top_p": 1e-300}
     r = httpx.post(live.base + "/v1/chat/completions", json=body, headers=AUTH, timeout=30)
     error(r, 400, "top_p", message=r"^top_p must be > 0 and <= 1, got 1e-300, which is 0 in fl")
