@@ -157,7 +157,7 @@ def check_fits(table: Table, desc, path) -> None:
 
 def _native_turboquant(candidate: str) -> bool:
     entry = parse_kv_cache_dtype(candidate.split(":", 1)[0])
-    return entry.native and entry.is_turboquant
+    return entry.takes_key_transform
 
 
 def check_transform(desc, candidates: tuple[str, ...], kinds: tuple[str, ...]) -> None:
@@ -259,6 +259,7 @@ def measure(
     totals.add(sim.baseline, ids)
     kl = BaselineKL(sim.baseline)
     entries = [parse_kv_layers(f"0:{c}")[0] for c in candidates]
+    keyed = [_native_turboquant(c) for c in candidates]  # fp8 and the like keep plain keys
     n = len(lm.description.layers)
     cost = []
     for pos in range(n):
@@ -266,8 +267,8 @@ def measure(
         for j, e in enumerate(entries):
             index = lm.description.layers[pos].index
             window, sinks = e.recent_window or 0, e.sink_tokens or 0
-            keyed = fitted.get(index) if _native_turboquant(candidates[j]) else None
-            logits = sim.logits(pos, e.dtype, window, sinks, keyed)
+            transform = fitted.get(index) if keyed[j] else None
+            logits = sim.logits(pos, e.dtype, window, sinks, transform)
             row.append(max(kl(logits), 0.0))
             progress(pos * len(entries) + j + 1, n * len(entries))
         cost.append(tuple(row))

@@ -185,8 +185,7 @@ def resolve(
     keyed = {
         pos
         for pos in range(len(layers))
-        if pos not in skipped
-        and (not own or _takes_key_transform(parse_kv_cache_dtype(dtypes[pos])))
+        if pos not in skipped and (not own or parse_kv_cache_dtype(dtypes[pos]).takes_key_transform)
     }
     if key_transform and own and not keyed:
         raise ResolveError(
@@ -196,9 +195,7 @@ def resolve(
         )
     for pos, la in enumerate(layers):
         layer_entry = parse_kv_cache_dtype(dtypes[pos])
-        why = pos in keyed and refusal(
-            key_transform, layer_entry.native and layer_entry.is_turboquant, la.softcap
-        )
+        why = pos in keyed and refusal(key_transform, layer_entry.takes_key_transform, la.softcap)
         if why:
             raise ResolveError(
                 f"--kv-key-transform {key_transform_label(key_transform)}: layer {la.index}: {why}"
@@ -253,11 +250,6 @@ def resolve(
         | ({"kv_layers": canonical(ranges)} if ranges else {}),
     )
     return Resolution(spec, tuple(warnings))
-
-
-def _takes_key_transform(entry) -> bool:
-    """A quantized tqexport-native TurboQuant dtype: the caches a key transform can apply to."""
-    return entry.mode.is_quantized and entry.native and entry.is_turboquant
 
 
 def _coverage(own: dict, num_layers: int, kv_cache_dtype: str, text: str) -> list[str]:

@@ -438,7 +438,7 @@ class LayerSpec:
             )
         why = transforms.refusal(
             layer.key_transform.kinds if layer.key_transform else (),
-            parse_kv_cache_dtype(kv_cache_dtype).native and layer.mode.is_turboquant,
+            parse_kv_cache_dtype(kv_cache_dtype).takes_key_transform,
             layer.softcap,
         )
         if why is not None:

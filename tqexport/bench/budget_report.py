@@ -85,7 +85,7 @@ def budget_markdown(
             "-" if u is None else f"{u['label']} ({u['bits_per_element']:.2f}): "
             f"{u['ppl_delta_pct']:+.2f}%" + ("" if u.get("kl") is None else f", KL {u['kl']:.5f}"),
             "-" if b["q4_0_ppl_delta_pct"] is None else f"{b['q4_0_ppl_delta_pct']:+.2f}% "
-            f"({_q4_bits(b):.2f})",
+            f"({b['q4_0_bits_per_element']:.2f})",
         ])  # fmt: skip
     return [
         "",
@@ -114,11 +114,6 @@ def budget_markdown(
         "",
         f"![PPL change vs --kv-bits budget]({plot})",
     ]
-
-
-def _q4_bits(b: dict) -> float:
-    """q4_0's bits per element all in (4.5 in rows written before they carried it)."""
-    return b.get("q4_0_bits_per_element") or 4.5
 
 
 def plot_budgets(brows: list[dict], path: Path) -> None:
@@ -152,7 +147,7 @@ def plot_budgets(brows: list[dict], path: Path) -> None:
         q4 = next((b for b in pts if b["q4_0_ppl_delta_pct"] is not None), None)
         if q4 is not None:
             ax.scatter(
-                [_q4_bits(q4)],
+                [q4["q4_0_bits_per_element"]],
                 [q4["q4_0_ppl_delta_pct"]],
                 marker="s",
                 color=f"C{i}",

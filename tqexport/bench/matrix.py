@@ -88,7 +88,7 @@ def quality_configs(
     for n in names:
         entry = parse_kv_cache_dtype(n)
         flags = {"on": [True], "off": [False], "both": [True, False]}[boundary]
-        keys = transforms if entry.native and entry.is_turboquant else ["none"]
+        keys = transforms if entry.takes_key_transform else ["none"]
         for b in flags if entry.is_turboquant else [True]:
             configs += [
                 Config(
@@ -141,7 +141,7 @@ def _no_effect(names, entries, boundary, kv_scales, transforms, windows) -> None
         raise TQExportError(
             f"--kv-scales {kv_scales} has no effect: {dtypes} has no fp8/nvfp4 dtype; drop it"
         )
-    if transforms != ["none"] and not any(e.native and e.is_turboquant for e in entries):
+    if transforms != ["none"] and not any(e.takes_key_transform for e in entries):
         raise TQExportError(
             f"--kv-key-transform {','.join(transforms)} has no effect: {dtypes} has no "
             "tqexport-native TurboQuant dtype (tqx_*); drop it"

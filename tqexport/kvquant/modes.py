@@ -83,6 +83,12 @@ class KVCacheDType:
     def is_turboquant(self) -> bool:
         return self.mode.is_turboquant
 
+    @property
+    def takes_key_transform(self) -> bool:
+        """A tqexport-native TurboQuant dtype: the only caches a key transform may change (a
+        vLLM name promises vLLM's cache contents)."""
+        return self.native and self.mode.is_turboquant
+
 
 def _entry(name, mode, element, bits, summary):
     return KVCacheDType(name, mode, element, bits, summary, native=name.startswith("tqx_"))
