@@ -22,6 +22,7 @@ namespace {
 using attn::kNegInf;
 constexpr int kKeyTile = 32;
 constexpr int kQueryBlockRows = attn::kQueryBlock;  // queries of an item, at most
+constexpr int kFusedRows = 4;  // query rows per pass of score_codes4
 
 enum class Kind { Main, Recent, Sink };
 
@@ -88,6 +89,96 @@ inline void dots(const float* const* a, const float* b, int n, int d, float* out
     _mm512_mask_storeu_ps(out + j, static_cast<__mmask16>((1u << m) - 1), sum_lanes(v));
   }
 }
+
+// Scores of a tile's keys stored as 4-bit codes in parts order (key[j]: key j's d / 2 bytes,
+// d a multiple of 32) against R query rows in parts order, and each key's squared norm: the
+// keys are decoded in registers, each read once for every row. out[r][j] = q[r] . key j.
+constexpr bool kFusedCodes4 = true;
+
+template <int R>
+void score_codes4(const uint8_t* const* key, int nk, int d, const float* table,
+                  const float* const* q, float* const* out, float* sumsq) {
+  const int half = d / 2;
+  const __m512 t = _mm512_loadu_ps(table);
+  const __m512i mask = _mm512_set1_epi32(15);
+  for (int j0 = 0; j0 < nk; j0 += 16) {
+    const int m = std::min(16, nk - j0);
+    __m512 vs[R][16], vn[16];
+    for (int k = 0; k < 16; ++k) {
+      __m512 a[R], n = _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+      if (k < m) {
+        const uint8_t* c = key[j0 + k];
+        for (int i = 0; i < half; i += 16) {
+          const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i)));
+          const __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(x, mask), t);
+          const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), t);
+          n = _mm512_fmadd_ps(hi, hi, _mm512_fmadd_ps(lo, lo, n));
+          for (int r = 0; r < R; ++r)
+            a[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(q[r] + half + i),
+                                   _mm512_fmadd_ps(lo, _mm512_loadu_ps(q[r] + i), a[r]));
+        }
+      }
+      vn[k] = n;
+      for (int r = 0; r < R; ++r) vs[r][k] = a[r];
+    }
+    // out and sumsq hold whole tiles (kKeyTile floats): a full store forwards to the loads after
+    _mm512_storeu_ps(sumsq + j0, sum_lanes(vn));
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r] + j0, sum_lanes(vs[r]));
+  }
+}
+
+// acc[r] = acc[r] * corr[r] + sum_j w[r][j] * codes of value j (4-bit codes in parts order,
+// code[j]: value j's d / 2 bytes, d a multiple of 32) for R rows: 64 columns of every row stay
+// in registers while the tile's codes stream past.
+template <int R>
+void accumulate_codes4(float* const* acc, const float* corr, const float* const* w,
+                       const uint8_t* const* code, int nk, int d) {
+  const int half = d / 2;
+  const __m512i mask = _mm512_set1_epi32(15);
+  for (int c0 = 0; c0 < d; c0 += 64) {
+    const int nc = std::min(4, (d - c0) / 16);
+    __m512 a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < nc; ++k)
+        a[r][k] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + c0 + 16 * k), _mm512_set1_ps(corr[r]));
+    for (int j = 0; j < nk; ++j) {
+      for (int k = 0; k < nc; ++k) {
+        const int c = c0 + 16 * k;
+        const __m512i x = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(code[j] + (c < half ? c : c - half))));
+        const __m512 v = _mm512_cvtepi32_ps(c < half ? _mm512_and_si512(x, mask) : _mm512_srli_epi32(x, 4));
+        for (int r = 0; r < R; ++r) a[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(w[r][j]), v, a[r][k]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < nc; ++k) _mm512_storeu_ps(acc[r] + c0 + 16 * k, a[r][k]);
+  }
+}
+
+inline void accumulate_codes4_rows(float* const* acc, const float* corr, const float* const* w,
+                                   int rows, const uint8_t* const* code, int nk, int d) {
+  for (int r = 0; r < rows; r += kFusedRows) {
+    switch (std::min(kFusedRows, rows - r)) {
+      case 1: accumulate_codes4<1>(acc + r, corr + r, w + r, code, nk, d); break;
+      case 2: accumulate_codes4<2>(acc + r, corr + r, w + r, code, nk, d); break;
+      case 3: accumulate_codes4<3>(acc + r, corr + r, w + r, code, nk, d); break;
+      default: accumulate_codes4<4>(acc + r, corr + r, w + r, code, nk, d); break;
+    }
+  }
+}
+
+inline void score_codes4_rows(const uint8_t* const* key, int nk, int d, const float* table,
+                              const float* const* q, int rows, float* const* out, float* sumsq) {
+  for (int r = 0; r < rows; r += kFusedRows) {
+    switch (std::min(kFusedRows, rows - r)) {
+      case 1: score_codes4<1>(key, nk, d, table, q + r, out + r, sumsq); break;
+      case 2: score_codes4<2>(key, nk, d, table, q + r, out + r, sumsq); break;
+      case 3: score_codes4<3>(key, nk, d, table, q + r, out + r, sumsq); break;
+      default: score_codes4<4>(key, nk, d, table, q + r, out + r, sumsq); break;
+    }
+  }
+}
 #elif defined(__AVX2__)
 inline __m256 sum_lanes(const __m256* v) {
   __m256 s1[4], s2[2];
@@ -132,6 +223,14 @@ inline void dots(const float* const* a, const float* b, int n, int d, float* out
 }
 #endif
 
+#if !defined(__AVX512F__)
+constexpr bool kFusedCodes4 = false;
+inline void score_codes4_rows(const uint8_t* const*, int, int, const float*, const float* const*,
+                              int, float* const*, float*) {}
+inline void accumulate_codes4_rows(float* const*, const float*, const float* const*, int,
+                                   const uint8_t* const*, int, int) {}
+#endif
+
 // acc[0, W) = acc * corr + sum_j p[j] * v_j (v_j = v + j * stride): the sums stay in registers
 template <int W>
 inline void accumulate(float* __restrict acc, float corr, const float* __restrict p,
@@ -173,6 +272,7 @@ inline const float* cache_row(const Format& f, const CacheView& c, int i, int64_
 }
 
 alignas(64) constexpr float kZeroRow[gen::kMaxHeadSize] = {};
+alignas(64) constexpr uint8_t kZeroCodes[gen::kMaxHeadSize / 2] = {};
 
 // Per-row softmax state of one item: running max, sum, and the weighted value sums: of the
 // recent cache (natural order) and of the layer's cache (in its basis and order, see
@@ -226,6 +326,9 @@ void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int nk
   float kmul[kKeyTile];
   const float* krow[kKeyTile];
   const bool corrected = tile_norm_correction(fmt);
+  // 4-bit TurboQuant keys scored from their codes (score_codes4), never written to the tile
+  const bool fused = M == Mode::TURBOQUANT && kFusedCodes4 && fmt.key_parts() && d % 32 == 0;
+  const uint8_t* kcodes[kKeyTile];
   int64_t th[kKeyTile];
   bool real[kKeyTile];
   bool any_real = false;
@@ -234,8 +337,15 @@ void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int nk
     th[j] = token[j] + hh;
     kmul[j] = 0.0f;
     krow[j] = kZeroRow;  // keys that are not real: any finite row (their scores are dropped)
+    kcodes[j] = kZeroCodes;
     if (!real[j]) continue;
     any_real = true;
+    if (fused) {
+      const uint8_t* slot = src.view.data[0] + th[j] * fmt.layout->slot_size_aligned;
+      kcodes[j] = slot;
+      kmul[j] = get_half(slot + fmt.layout->key_norm_offset) * s.scale;
+      continue;
+    }
     if (const float* row = cache_row<M>(fmt, src.view, 0, th[j])) {
       krow[j] = row;
       kmul[j] = s.scale;
@@ -245,9 +355,19 @@ void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int nk
     kmul[j] = decode_key<M>(fmt, src.view, th[j], ktile + size_t(j) * d) * s.scale;
   }
   if (!any_real) return;
+  float sumsq[kKeyTile];
+  for (int r = r0; fused && r < r0 + nr; r += kFusedRows) {
+    const int n = std::min(kFusedRows, r0 + nr - r);
+    const float* qs[kFusedRows];
+    float* out[kFusedRows];
+    for (int i = 0; i < n; ++i) {
+      qs[i] = main ? &rows.qm[size_t(r + i) * d] : &rows.q[size_t(r + i) * d];
+      out[i] = &sc.scores[size_t(r + i) * kKeyTile];
+    }
+    score_codes4_rows(kcodes, nk, d, fmt.key_book->centroids, qs, n, out, sumsq);
+  }
   if (corrected) {  // norm correction of the tile's keys at once: scale / |decoded key|
-    float sumsq[kKeyTile];
-    dots(krow, nullptr, nk, d, sumsq);
+    if (!fused) dots(krow, nullptr, nk, d, sumsq);
     for (int j = 0; j < nk; ++j) kmul[j] = kmul[j] / std::sqrt(sumsq[j] + gen::kNcEps);
   }
   bool used[kKeyTile] = {};
@@ -258,7 +378,7 @@ void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int nk
     const uint8_t* sn = vis.seen[tq];
     sc.live[r] = vis.any[tq];
     if (!vis.any[tq]) continue;
-    dots(krow, q, nk, d, pr);  // keys a row does not see: any value, dropped below
+    if (!fused) dots(krow, q, nk, d, pr);  // keys a row does not see: any value, dropped below
     float mt = kNegInf;
     for (int j = 0; j < nk; ++j) {
       float v = pr[j] * kmul[j];
@@ -287,6 +407,40 @@ void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int nk
   const int64_t stride = int64_t(s.kv_heads) * d;
   const bool affine = value_codes_affine<M>(fmt);
   float vscale[kKeyTile], voffset[kKeyTile];
+  if (M == Mode::TURBOQUANT && kFusedCodes4 && fmt.value_parts() && d % 32 == 0) {
+    // 4-bit affine values weighed from their codes (accumulate_codes4), never decoded to the tile
+    const auto& lay = *fmt.layout;
+    const uint8_t* vcodes[kKeyTile];
+    for (int j = 0; j < nk; ++j) {  // keys no row sees weigh 0 (their codes: any finite ones)
+      const uint8_t* slot = used[j] ? src.view.data[0] + th[j] * lay.slot_size_aligned : nullptr;
+      vcodes[j] = slot ? slot + lay.value_offset : kZeroCodes;
+      vscale[j] = slot ? get_half(slot + lay.value_params_offset) : 0.0f;
+      voffset[j] = slot ? get_half(slot + lay.value_params_offset + 2) : 0.0f;
+    }
+    for (int r = r0; r < r0 + nr;) {
+      float* acc[kFusedRows];
+      float corr[kFusedRows], offset[kFusedRows] = {}, w[kFusedRows][kKeyTile];
+      const float* wr[kFusedRows];
+      int n = 0;
+      for (; r < r0 + nr && n < kFusedRows; ++r) {
+        if (!sc.live[r]) continue;
+        const float* p = &sc.scores[size_t(r) * kKeyTile];
+        for (int j = 0; j < nk; ++j) {  // sum_j p_j (c_j s_j + o_j) = sum_j (p_j s_j) c_j + ...
+          w[n][j] = p[j] * vscale[j];
+          offset[n] += p[j] * voffset[j];
+        }
+        acc[n] = main ? &rows.accm[size_t(r) * d] : &rows.acc[size_t(r) * d];
+        corr[n] = sc.corr[r];
+        wr[n] = w[n];
+        ++n;
+      }
+      if (n == 0) continue;
+      accumulate_codes4_rows(acc, corr, wr, n, vcodes, nk, d);
+      for (int i = 0; i < n; ++i)
+        for (int c = 0; c < d; ++c) acc[i][c] += offset[i];
+    }
+    return;
+  }
   for (int j = 0; j < nk; ++j) {  // keys no row sees weigh 0: their values must be finite
     const float* row = used[j] ? cache_row<M>(fmt, src.view, 1, th[j]) : nullptr;
     const float* last = runs.n ? runs.base[runs.n - 1] : nullptr;
