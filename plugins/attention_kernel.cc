@@ -95,12 +95,21 @@ inline void dots(const float* const* a, const float* b, int n, int d, float* out
 // keys are decoded in registers, each read once for every row. out[r][j] = q[r] . key j.
 constexpr bool kFusedCodes4 = true;
 
-template <int R>
+// D: the head size when known at compile time (the rows' queries then stay in registers), or 0
+template <int R, int D>
 void score_codes4(const uint8_t* const* key, int nk, int d, const float* table,
                   const float* const* q, float* const* out, float* sumsq) {
+  if (D) d = D;
   const int half = d / 2;
   const __m512 t = _mm512_loadu_ps(table);
   const __m512i mask = _mm512_set1_epi32(15);
+  constexpr int kHeld = D ? D / 16 : 1;
+  __m512 qv[R][kHeld];
+  for (int r = 0; D && r < R; ++r)
+    for (int i = 0; i < kHeld; ++i) qv[r][i] = _mm512_loadu_ps(q[r] + 16 * i);
+  auto query = [&](int r, int i) {  // 16 floats of row r from column i
+    return D ? qv[r][i / 16] : _mm512_loadu_ps(q[r] + i);
+  };
   for (int j0 = 0; j0 < nk; j0 += 16) {
     const int m = std::min(16, nk - j0);
     __m512 vs[R][16], vn[16];
@@ -115,8 +124,7 @@ void score_codes4(const uint8_t* const* key, int nk, int d, const float* table,
           const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), t);
           n = _mm512_fmadd_ps(hi, hi, _mm512_fmadd_ps(lo, lo, n));
           for (int r = 0; r < R; ++r)
-            a[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(q[r] + half + i),
-                                   _mm512_fmadd_ps(lo, _mm512_loadu_ps(q[r] + i), a[r]));
+            a[r] = _mm512_fmadd_ps(hi, query(r, half + i), _mm512_fmadd_ps(lo, query(r, i), a[r]));
         }
       }
       vn[k] = n;
@@ -143,6 +151,19 @@ void accumulate_codes4(float* const* acc, const float* corr, const float* const*
       for (int k = 0; k < nc; ++k)
         a[r][k] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + c0 + 16 * k), _mm512_set1_ps(corr[r]));
     for (int j = 0; j < nk; ++j) {
+      if (d == 64) {  // each byte load serves two columns: codes 0-15 | 32-47 and 16-31 | 48-63
+        const __m512i x0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code[j])));
+        const __m512i x1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code[j] + 16)));
+        const __m512 v[4] = {_mm512_cvtepi32_ps(_mm512_and_si512(x0, mask)),
+                             _mm512_cvtepi32_ps(_mm512_and_si512(x1, mask)),
+                             _mm512_cvtepi32_ps(_mm512_srli_epi32(x0, 4)),
+                             _mm512_cvtepi32_ps(_mm512_srli_epi32(x1, 4))};
+        for (int r = 0; r < R; ++r) {
+          const __m512 wr = _mm512_set1_ps(w[r][j]);
+          for (int k = 0; k < 4; ++k) a[r][k] = _mm512_fmadd_ps(wr, v[k], a[r][k]);
+        }
+        continue;
+      }
       for (int k = 0; k < nc; ++k) {
         const int c = c0 + 16 * k;
         const __m512i x = _mm512_cvtepu8_epi32(
@@ -168,14 +189,23 @@ inline void accumulate_codes4_rows(float* const* acc, const float* corr, const f
   }
 }
 
+template <int R>
+inline void score_codes4_d(const uint8_t* const* key, int nk, int d, const float* table,
+                           const float* const* q, float* const* out, float* sumsq) {
+  if (d == 64)
+    score_codes4<R, 64>(key, nk, d, table, q, out, sumsq);
+  else
+    score_codes4<R, 0>(key, nk, d, table, q, out, sumsq);
+}
+
 inline void score_codes4_rows(const uint8_t* const* key, int nk, int d, const float* table,
                               const float* const* q, int rows, float* const* out, float* sumsq) {
   for (int r = 0; r < rows; r += kFusedRows) {
     switch (std::min(kFusedRows, rows - r)) {
-      case 1: score_codes4<1>(key, nk, d, table, q + r, out + r, sumsq); break;
-      case 2: score_codes4<2>(key, nk, d, table, q + r, out + r, sumsq); break;
-      case 3: score_codes4<3>(key, nk, d, table, q + r, out + r, sumsq); break;
-      default: score_codes4<4>(key, nk, d, table, q + r, out + r, sumsq); break;
+      case 1: score_codes4_d<1>(key, nk, d, table, q + r, out + r, sumsq); break;
+      case 2: score_codes4_d<2>(key, nk, d, table, q + r, out + r, sumsq); break;
+      case 3: score_codes4_d<3>(key, nk, d, table, q + r, out + r, sumsq); break;
+      default: score_codes4_d<4>(key, nk, d, table, q + r, out + r, sumsq); break;
     }
   }
 }
@@ -304,11 +334,57 @@ inline void prefetch_slots(const CacheView& c, int64_t th, int64_t heads) {
   }
 }
 
-// The keys of a tile each query of an item sees (per query: kKeyTile flags, and whether any).
+// The keys of a tile each query of an item sees (per query: kKeyTile flags, 0 past the tile's
+// keys, and whether any), and those any query sees.
 struct Visible {
   uint8_t seen[kQueryBlockRows][kKeyTile];
   bool any[kQueryBlockRows];
+  uint8_t used[kKeyTile];
 };
+
+// the largest of a tile's kKeyTile floats
+inline float tile_max(const float* x) {
+  static_assert(kKeyTile == 32, "tile_max reads 32 floats");
+#if defined(__AVX2__)
+#if defined(__AVX512F__)
+  const __m512 w = _mm512_max_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16));
+  const __m256 m = _mm256_max_ps(_mm512_castps512_ps256(w),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1)));
+#else
+  const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
+                                 _mm256_max_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
+#endif
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#else
+  float m = x[0];
+  for (int j = 1; j < kKeyTile; ++j) m = x[j] > m ? x[j] : m;
+  return m;
+#endif
+}
+
+// A row's logits over a whole tile (kKeyTile lanes, so the loops vectorize): pr = score x kmul,
+// softcapped, -inf where the row does not see the key; returns their maximum.
+inline float tile_logits(float* __restrict pr, const float* __restrict kmul,
+                         const uint8_t* __restrict seen, float softcap) {
+  for (int j = 0; j < kKeyTile; ++j) pr[j] *= kmul[j];
+  if (softcap != 0.0f)
+    for (int j = 0; j < kKeyTile; ++j) pr[j] = std::tanh(pr[j] / softcap) * softcap;
+  for (int j = 0; j < kKeyTile; ++j) pr[j] = seen[j] ? pr[j] : kNegInf;
+  return tile_max(pr);
+}
+
+// pr = e^(pr - m) where the row sees the key, else 0; returns their sum.
+inline float tile_exp(float* __restrict pr, const uint8_t* __restrict seen, float m) {
+  float sum = 0.0f;
+  for (int j = 0; j < kKeyTile; ++j) {
+    const float e = exp_neg(pr[j] - m);
+    pr[j] = seen[j] ? e : 0.0f;
+    sum += pr[j];
+  }
+  return sum;
+}
 
 // One tile of keys p0 .. p0 + nk - 1 (token[j]: key j's slot for the item's first kv head, -1
 // where the sequence holds no such key; vis: which keys each query sees) for kv head hh of the
@@ -323,7 +399,7 @@ void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int nk
   const bool main = kind == Kind::Main;
   float* ktile = sc.keys.data();
   float* vtile = sc.values.data();
-  float kmul[kKeyTile];
+  float kmul[kKeyTile] = {};  // 0 past the tile's keys: their scores are dropped
   const float* krow[kKeyTile];
   const bool corrected = tile_norm_correction(fmt);
   // 4-bit TurboQuant keys scored from their codes (score_codes4), never written to the tile
@@ -368,9 +444,10 @@ void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int nk
   }
   if (corrected) {  // norm correction of the tile's keys at once: scale / |decoded key|
     if (!fused) dots(krow, nullptr, nk, d, sumsq);
-    for (int j = 0; j < nk; ++j) kmul[j] = kmul[j] / std::sqrt(sumsq[j] + gen::kNcEps);
+    for (int j = nk; j < kKeyTile; ++j) sumsq[j] = 1.0f;
+    for (int j = 0; j < kKeyTile; ++j) kmul[j] = kmul[j] / std::sqrt(sumsq[j] + gen::kNcEps);
   }
-  bool used[kKeyTile] = {};
+  const uint8_t* used = vis.used;
   for (int r = r0; r < r0 + nr; ++r) {
     const int tq = (r - r0) / groups;
     const float* q = main ? &rows.qm[size_t(r) * d] : &rows.q[size_t(r) * d];
@@ -379,22 +456,12 @@ void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int nk
     sc.live[r] = vis.any[tq];
     if (!vis.any[tq]) continue;
     if (!fused) dots(krow, q, nk, d, pr);  // keys a row does not see: any value, dropped below
-    float mt = kNegInf;
-    for (int j = 0; j < nk; ++j) {
-      float v = pr[j] * kmul[j];
-      if (s.softcap != 0.0f) v = std::tanh(v / s.softcap) * s.softcap;
-      pr[j] = sn[j] ? v : kNegInf;
-      mt = std::max(mt, pr[j]);
-      used[j] = used[j] || sn[j];
-    }
-    const float m_new = std::max(rows.m[r], mt);
-    const float corr = rows.m[r] == kNegInf ? 0.0f : exp_neg(rows.m[r] - m_new);
-    float sum = 0.0f;
-    for (int j = 0; j < nk; ++j) {
-      const float e = exp_neg(pr[j] - m_new);
-      pr[j] = sn[j] ? e : 0.0f;
-      sum += pr[j];
-    }
+    const float m_new = std::max(rows.m[r], tile_logits(pr, kmul, sn, s.softcap));
+    // the running max rarely moves after the first tiles: no exponential then
+    const float corr = rows.m[r] == m_new ? 1.0f
+                       : rows.m[r] == kNegInf ? 0.0f
+                                              : exp_neg(rows.m[r] - m_new);
+    const float sum = tile_exp(pr, sn, m_new);
     rows.l[r] = rows.l[r] * corr + sum;
     rows.m[r] = m_new;
     sc.corr[r] = corr;  // applied to this segment's sums as they accumulate; the other's now:
@@ -496,40 +563,56 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
   const int64_t seq_len = s.seq_lens[it.seq];
   const int64_t heads = it.h1 - it.h0;
   const int head_rows = static_cast<int>(rows.n / heads);
-  // flat (token, head) index of key p at the item's first kv head, or -1 where the sequence
-  // holds no such key
-  auto slot = [&](int64_t p) -> int64_t {
-    const int64_t col = p / s.block_size;
-    const int32_t block = col < src.width ? table[col] : 0;
-    if (block == 0 || p >= seq_len) return -1;
-    return ((int64_t(block) * s.block_size + p % s.block_size) * s.kv_heads) + it.h0;
+  // flat (token, head) index of keys p .. p + n - 1 at the item's first kv head, or -1 where
+  // the sequence holds no such key (one division per call)
+  auto slots = [&](int64_t p, int n, int64_t* out) {
+    int64_t col = p / s.block_size, off = p % s.block_size;
+    for (int j = 0; j < n; ++j, ++p) {
+      const int32_t block = col < src.width ? table[col] : 0;
+      out[j] = block == 0 || p >= seq_len
+                   ? -1
+                   : (int64_t(block) * s.block_size + off) * s.kv_heads + it.h0;
+      if (++off == s.block_size) off = 0, ++col;
+    }
   };
   const int queries = static_cast<int>(it.q1 - it.q0);
-  int64_t token[kKeyTile];
+  int64_t token[kKeyTile], next[kKeyTile];
   Visible vis;
   for (int64_t p0 = lo; p0 <= hi; p0 += kKeyTile) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeyTile, hi - p0 + 1));
-    for (int64_t p = p0 + kKeyTile; p <= std::min(hi, p0 + 2 * kKeyTile - 1); ++p) {
-      const int64_t t = slot(p);
-      if (t >= 0) prefetch_slots(src.view, t, heads);
+    std::fill(token + nk, token + kKeyTile, int64_t(-1));
+    if (p0 == lo)
+      slots(p0, nk, token);
+    else
+      std::copy_n(next, nk, token);
+    const int nn = static_cast<int>(std::min<int64_t>(kKeyTile, hi - p0 - kKeyTile + 1));
+    if (nn > 0) {
+      slots(p0 + kKeyTile, nn, next);
+      for (int j = 0; j < nn; ++j)
+        if (next[j] >= 0) prefetch_slots(src.view, next[j], heads);
     }
-    for (int j = 0; j < nk; ++j) token[j] = slot(p0 + j);
+    std::fill_n(vis.used, kKeyTile, uint8_t(0));
     for (int tq = 0; tq < queries; ++tq) {  // shared by the query's heads
+      // the keys [a, b] this query sees in this segment
       const int64_t P = pos[tq];
-      bool any = false;
-      for (int j = 0; j < nk; ++j) {
-        const int64_t p = p0 + j;
-        bool ok = token[j] >= 0 && p <= P && (s.window == 0 || p > P - s.window);
-        if (kind == Kind::Main)
-          ok = ok && p >= s.sink_tokens && (s.recent_window == 0 || p <= P - s.recent_window);
-        else if (kind == Kind::Recent)
-          ok = ok && p >= s.sink_tokens && p > P - s.recent_window;
-        else
-          ok = ok && p < s.sink_tokens;
-        vis.seen[tq][j] = ok;
-        any = any || ok;
+      const int64_t wlo = s.window ? P - s.window + 1 : std::numeric_limits<int64_t>::min();
+      int64_t a = wlo, b = P;
+      if (kind == Kind::Main) {
+        a = std::max(wlo, s.sink_tokens);
+        if (s.recent_window) b = P - s.recent_window;
+      } else if (kind == Kind::Recent) {
+        a = std::max({wlo, s.sink_tokens, P - s.recent_window + 1});
+      } else {
+        b = std::min(P, s.sink_tokens - 1);
       }
-      vis.any[tq] = any;
+      uint8_t* seen = vis.seen[tq];
+      int any = 0;
+      for (int j = 0; j < kKeyTile; ++j) {
+        seen[j] = (token[j] >= 0) & (p0 + j >= a) & (p0 + j <= b);
+        any |= seen[j];
+        vis.used[j] |= seen[j];
+      }
+      vis.any[tq] = any != 0;
     }
     for (int64_t hh = 0; hh < heads; ++hh)
       head_tile<M>(s, kind, src, nk, token, hh, vis, rows, static_cast<int>(hh) * head_rows,
