@@ -1,15 +1,18 @@
 """``tqexport calibrate`` (the per-layer cost table) and ``--kv-bits`` (the knapsack over it)."""
 
+import importlib.util
 import itertools
 import json
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
+import torch
 from helpers import dense, main_inproc
 
 from tqexport import calibration as cal
 from tqexport.errors import TQExportError
-from tqexport.kv_budget import as_kv_layers, candidate_bits, choose, layer_elements
+from tqexport.kv_budget import as_kv_layers, candidate_bits, choose, layer_elements, least_cost
 from tqexport.models.config import describe_model
 from tqexport.resolve import resolve
 
@@ -63,6 +66,16 @@ def test_choose_is_the_exact_optimum_of_the_knapsack():
         assert got.bits_per_element <= Fraction(budget)
     assert choose(desc, table, 16.0).kv_layers == "0-3:auto"
     assert choose(desc, table, 3.25).kv_layers == "0-3:tqx_k4v2_mse"
+
+
+def test_least_cost_takes_units_with_any_number_of_options():
+    bits = [[Fraction(0), Fraction(2)], [Fraction(0), Fraction(1), Fraction(3)]]
+    cost = [[5.0, 1.0], [3.0, 2.0, 0.5]]
+    assert least_cost(bits, cost, Fraction(2)) == (Fraction(2), 4.0, (1, 0))
+    assert least_cost(bits, cost, Fraction(3)) == (Fraction(3), 3.0, (1, 1))
+    assert least_cost(bits, cost, Fraction(5)) == (Fraction(5), 1.5, (1, 2))
+    assert least_cost(bits, cost, Fraction(0)) == (Fraction(0), 8.0, (0, 0))
+    assert least_cost(bits, cost, Fraction(-1)) is None
 
 
 def test_a_budget_below_every_candidate_is_one_error():
@@ -422,3 +435,34 @@ def test_calibrate_makes_the_table_folder(capsys, tmp_path):
                                   "fp8", "--tokens", "8")  # fmt: skip
     assert code == 0, stdout
     assert cal.read_table(out).candidates == ("fp8",)
+
+
+def _layer_candidates():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "layer_candidates.py"
+    spec = importlib.util.spec_from_file_location("layer_candidates", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_candidate_screen_quantizes_as_the_codecs_do():
+    """benchmarks/layer_candidates.py: its split keys are the product's MSE keys on each part,
+    and a one-head screen leaves the other heads exact."""
+    from tqexport.kvquant.codecs import make_codec
+
+    mod = _layer_candidates()
+    k, v = torch.randn(2, 40, 3, 64, generator=torch.Generator().manual_seed(0)).unbind(0)
+    codec = make_codec("tqx_k3v2_mse", 64, model_dtype="float32")
+    kq, vq = codec.decode(codec.encode(k, v))
+    torch.testing.assert_close(mod.mse_round_trip(k, 3), kq, rtol=0, atol=1e-5)
+    screen = mod.ScreenCodec("tqx_k3v2_mse", head=1)
+    sk, sv = screen.decode(screen.encode(k, v))
+    assert torch.equal(sk[:, 1], kq[:, 1]) and torch.equal(sv[:, 1], vq[:, 1])
+    assert torch.equal(sk[:, [0, 2]], k[:, [0, 2]]) and torch.equal(sv[:, [0, 2]], v[:, [0, 2]])
+    split = mod.ScreenCodec("tqx_k3v2_mse", split=(4, 2, 32))
+    xk, xv = split.decode(split.encode(k, v))
+    assert torch.equal(xv, vq)  # values as the base's
+    for h in range(3):
+        x = k[:, h]
+        top = torch.argsort((x * x).mean(0), descending=True)[:32]
+        torch.testing.assert_close(xk[:, h, top], mod.mse_round_trip(x[:, top], 4))

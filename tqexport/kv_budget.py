@@ -46,35 +46,47 @@ def layer_elements(desc) -> list[int]:
     return [2 * la.num_kv_heads * la.head_size for la in desc.layers]
 
 
-def choose(desc, table, budget: float) -> Choice:
-    """The plan of least predicted cost whose bits per element, all in, are at most ``budget``."""
-    names = (UNQUANTIZED, *table.candidates)
-    bits = candidate_bits(desc, table.candidates)
-    cost = [(0.0, *row) for row in table.cost]
-    limit = Fraction(budget) * sum(layer_elements(desc))
+def least_cost(
+    bits: list[list[Fraction]], cost: list[list[float]], limit: Fraction
+) -> tuple[Fraction, float, tuple[int, ...]] | None:
+    """One option per unit (``bits[u][j]``, ``cost[u][j]``) with the least summed cost whose
+    summed bits are at most ``limit``: (bits, cost, the options picked), or None where even the
+    fewest bits exceed it. Exact: Pareto fronts of partial plans, unit by unit."""
     front: list[tuple[Fraction, float, tuple[int, ...]]] = [(Fraction(0), 0.0, ())]
-    for pos in range(len(bits)):
+    for u in range(len(bits)):
         grown = sorted(
-            (b + bits[pos][j], c + cost[pos][j], picks + (j,))
+            (b + bits[u][j], c + cost[u][j], picks + (j,))
             for b, c, picks in front
-            for j in range(len(names))
+            for j in range(len(bits[u]))
         )
         front = []
         for state in grown:  # ascending bits: keep a state only if it costs less than all before
             if not front or state[1] < front[-1][1]:
                 front.append(state)
-        rest = sum(min(row) for row in bits[pos + 1 :])
+        rest = sum(min(row) for row in bits[u + 1 :])
         front = [s for s in front if s[0] + rest <= limit]
         if not front:
-            least = sum(min(row) for row in bits) / sum(layer_elements(desc))
-            raise TQExportError(
-                f"--kv-bits {budget:g} is below the fewest bits the table's candidates reach "
-                f"({float(least):.4f} per element); give at least that, or calibrate cheaper "
-                "candidates"
-            )
-    total, predicted, picks = front[-1]
+            return None
+    return front[-1]
+
+
+def choose(desc, table, budget: float) -> Choice:
+    """The plan of least predicted cost whose bits per element, all in, are at most ``budget``."""
+    names = (UNQUANTIZED, *table.candidates)
+    bits = candidate_bits(desc, table.candidates)
+    cost = [[0.0, *row] for row in table.cost]
+    elements = sum(layer_elements(desc))
+    best = least_cost(bits, cost, Fraction(budget) * elements)
+    if best is None:
+        least = sum(min(row) for row in bits) / elements
+        raise TQExportError(
+            f"--kv-bits {budget:g} is below the fewest bits the table's candidates reach "
+            f"({float(least):.4f} per element); give at least that, or calibrate cheaper "
+            "candidates"
+        )
+    total, predicted, picks = best
     chosen = tuple(names[j] for j in picks)
-    return Choice(chosen, as_kv_layers(chosen), predicted, total / sum(layer_elements(desc)))
+    return Choice(chosen, as_kv_layers(chosen), predicted, total / elements)
 
 
 def as_kv_layers(chosen: tuple[str, ...]) -> str:
