@@ -7,8 +7,8 @@ Two families are screened against a base candidate and its upgrade (by default
 - outlier-channel keys (``--split HI:LO:N``): per kv head, the N key channels of largest mean
   square on the calibration text (after the key transform) are rotated, normed and coded on
   their own at HI bits, the other channels at LO bits; values as the base candidate's. Its bits
-  are the base's plus one fp16 norm per token and kv head (with 4:2:32 at head size 64 the codes
-  take as many bits as the base's 3-bit keys).
+  are the base's with its key codes and norm replaced by the two parts' codes and norms (with
+  4:2:32 at head size 64 and 3-bit base keys: one fp16 norm more per token and kv head).
 - a candidate per kv head: each kv head of a layer takes the base or the upgrade on its own,
   at a third of the layer's bits (SmolLM2: 3 kv heads).
 
@@ -128,11 +128,13 @@ def main(argv: list[str] | None = None):
     finally:
         calibration_sim.make_codec = made
     bits = candidate_bits(desc, [args.base, args.upgrade])  # [layer][auto, base, upgrade]
+    d, key_bits = desc.layers[0].head_size, tq.preset(base.dtype).key_bits
+    split_extra = kvh * (hi * n + lo * (d - n) + 32 - (key_bits * d + 16))  # per token
     elements = sum(layer_elements(desc))
     plans = {
         "per layer": ([[b[1], b[2]] for b in bits],
                       [[c["base"], c["upgrade"]] for c in cost]),
-        "per layer + split": ([[b[1], b[2], b[1] + 16 * kvh] for b in bits],
+        "per layer + split": ([[b[1], b[2], b[1] + split_extra] for b in bits],
                               [[c["base"], c["upgrade"], c["split"]] for c in cost]),
         "per kv head": ([[b[1] / kvh, b[2] / kvh] for b in bits for _ in range(kvh)],
                         [[c[f"base h{h}"], c[f"upgrade h{h}"]] for c in cost for h in range(kvh)]),
