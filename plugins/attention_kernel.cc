@@ -576,6 +576,22 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
     }
   };
   const int queries = static_cast<int>(it.q1 - it.q0);
+  // the keys [first, last] each query sees in this segment
+  int64_t first[kQueryBlockRows], last[kQueryBlockRows];
+  for (int tq = 0; tq < queries; ++tq) {
+    const int64_t P = pos[tq];
+    const int64_t wlo = s.window ? P - s.window + 1 : std::numeric_limits<int64_t>::min();
+    first[tq] = wlo;
+    last[tq] = P;
+    if (kind == Kind::Main) {
+      first[tq] = std::max(wlo, s.sink_tokens);
+      if (s.recent_window) last[tq] = P - s.recent_window;
+    } else if (kind == Kind::Recent) {
+      first[tq] = std::max({wlo, s.sink_tokens, P - s.recent_window + 1});
+    } else {
+      last[tq] = std::min(P, s.sink_tokens - 1);
+    }
+  }
   int64_t token[kKeyTile], next[kKeyTile];
   Visible vis;
   for (int64_t p0 = lo; p0 <= hi; p0 += kKeyTile) {
@@ -593,18 +609,7 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
     }
     std::fill_n(vis.used, kKeyTile, uint8_t(0));
     for (int tq = 0; tq < queries; ++tq) {  // shared by the query's heads
-      // the keys [a, b] this query sees in this segment
-      const int64_t P = pos[tq];
-      const int64_t wlo = s.window ? P - s.window + 1 : std::numeric_limits<int64_t>::min();
-      int64_t a = wlo, b = P;
-      if (kind == Kind::Main) {
-        a = std::max(wlo, s.sink_tokens);
-        if (s.recent_window) b = P - s.recent_window;
-      } else if (kind == Kind::Recent) {
-        a = std::max({wlo, s.sink_tokens, P - s.recent_window + 1});
-      } else {
-        b = std::min(P, s.sink_tokens - 1);
-      }
+      const int64_t a = first[tq], b = last[tq];
       uint8_t* seen = vis.seen[tq];
       int any = 0;
       for (int j = 0; j < kKeyTile; ++j) {
