@@ -115,3 +115,10 @@ def test_a_variant_is_exported_once_and_handed_out_as_copies(monkeypatch, tmp_pa
     other = node_attrs(CACHE_WRITE, layer_for("fp8", heads=3), num_heads=3)
     assert function_for(CACHE_WRITE, other, OPSET)[0].overload == other["variant"]
     assert len(calls) == 4
+    victim = tmp_path / "precious.txt"  # a link planted at the cache's name is replaced
+    victim.write_text("precious")
+    functions._EXPORTED.clear()
+    stored.unlink()
+    stored.symlink_to(victim)
+    assert function_for(CACHE_WRITE, attrs, OPSET)[0] == again and len(calls) == 5
+    assert victim.read_text() == "precious" and stored.is_file() and not stored.is_symlink()

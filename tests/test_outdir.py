@@ -135,7 +135,7 @@ def test_full_disk_and_failed_export_leave_nothing(tmp_path, monkeypatch):
 def renames(request, monkeypatch):
     """Swaps with Linux renameat2, and with the fallback for filesystems without it."""
     if request.param == "fallback":
-        monkeypatch.setattr(outdir, "_renameat2", lambda src, dst, flags: False)
+        monkeypatch.setattr(outdir, "renameat2", lambda src, dst, flags: False)
 
 
 def staged(target, force=False):

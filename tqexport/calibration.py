@@ -40,6 +40,7 @@ from tqexport.errors import TQExportError
 from tqexport.kv_layers import parse_kv_layers
 from tqexport.kvquant import transforms
 from tqexport.kvquant.modes import parse_kv_cache_dtype
+from tqexport.safe_files import write_output
 
 FORMAT, VERSION = "tqexport-kv-calibration", 2
 #: the versions read (1: written before key transforms, so measured without one)
@@ -103,17 +104,10 @@ class Table:
             "elapsed_seconds": self.elapsed_seconds,
         }
 
-    def write(self, path: Path) -> None:
-        """Written to a sibling first and renamed: never a half-written table (its folder made
-        if missing, as build makes its output's)."""
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-            tmp.replace(path)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise TQExportError(f"cannot write {path}: {e.strerror or e}") from None
+    def write(self, path: Path, force: bool = False) -> None:
+        """Written under a fresh name beside ``path`` and renamed (see :mod:`tqexport.safe_files`):
+        never a half-written table, never through a link; an existing file only with ``force``."""
+        write_output(path, json.dumps(self.to_dict(), indent=1) + "\n", force)
 
 
 def read_table(path: Path, option: str = "--calibration") -> Table:

@@ -42,6 +42,7 @@ from tqexport.options import (
     given,
 )
 from tqexport.runtime.config import EngineConfig
+from tqexport.safe_files import check_output_file
 from tqexport.validate import DEFAULT_BLOCK_SIZE, printable
 
 try:  # typer >= 0.16 vendors click
@@ -430,6 +431,7 @@ def calibrate(
             "(fp8) keep plain keys.",
         ),
     ] = "none",
+    force: Annotated[bool, typer.Option(help="Replace an existing table file.")] = False,
 ):
     """Measure what each candidate cache costs in each layer (KL of the next-token distribution
     with only that layer changed) and write the table `--kv-bits` reads."""
@@ -441,8 +443,7 @@ def calibrate(
     validate.integer(tokens, "--tokens", 2, cal.MAX_TOKENS)
     if calibration_text is not None:
         validate.text_file(calibration_text, "--calibration-text")
-    if out.is_dir():
-        raise TQExportError(f"-o {out} is a directory; give a file name")
+    check_output_file(out, force)
     from tqexport.models.config import describe_model
 
     desc = describe_model(model)
@@ -452,7 +453,7 @@ def calibrate(
         table = cal.measure(model, cands, calibration_text, tokens,
                             lambda done, total: bar.update(task, completed=done),
                             kinds)  # fmt: skip
-    table.write(out)
+    table.write(out, force)
     t = Table(title=printable(f"{desc.name}: mean KL per prediction, only that layer changed"))
     t.add_column("layer")
     for c in cands:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tqexport.bench.markdown import table as md_table
+from tqexport.safe_files import write_figure
 
 #: the per-layer budget issue's goals: (window tokens, budget, perplexity change at most)
 BUDGET_GOALS = ((4096, 3.5, 0.8), (4096, 3.0, 1.5))
@@ -160,5 +161,5 @@ def plot_budgets(brows: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_figure(fig, path, dpi=120)
     plt.close(fig)

@@ -325,6 +325,7 @@ def bench_report(
             "measures the native kernels against the function bodies where they are built."
         ),
     ] = "auto,bodies",
+    force: Annotated[bool, typer.Option(help="Replace the report already in OUT.")] = False,
 ):
     """Quality + speed side by side: report.md, PNG plots and results.json in OUT.
 
@@ -336,6 +337,7 @@ def bench_report(
     from tqexport.kvquant.modes import parse_kv_cache_dtype
 
     validate.integer(chunks, "--chunks", 1, matrix.MAX_BENCH_CHUNKS)
+    report.check_out(out, force)
     if quality_json and given(ctx, "chunks"):
         raise TQExportError(
             "--chunks has no effect with --quality-json (its quality runs are reused as they "

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from tqexport.bench.markdown import table as md_table
+from tqexport.safe_files import write_file
 
 BEGIN, END = "<!-- glance:begin (make docs) -->", "<!-- glance:end -->"
 
@@ -102,7 +103,7 @@ def update(text: str, results: dict) -> str:
 def main(argv: list[str]) -> int:
     """``python -m tqexport.bench.glance README.md docs/report/results.json``: rewrite in place."""
     page, results = Path(argv[0]), json.loads(Path(argv[1]).read_text())
-    page.write_text(update(page.read_text(), results))
+    write_file(page, update(page.read_text(), results))
     return 0
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from tqexport.bench import budget_report, report
 from tqexport.bench.markdown import table as md_table
 from tqexport.errors import TQExportError
+from tqexport.safe_files import write_file
 
 REFERENCE = "smollm2"
 #: pairs compared are this close in bits per element (on both models): like for like
@@ -159,7 +160,7 @@ def markdown(results: dict) -> str:
 def write(report_dir: Path, results: dict) -> list[Path]:
     """models.json, models.md and each section's plot (in its model's directory)."""
     files = [report_dir / "models.json", report_dir / "models.md"]
-    files[0].write_text(json.dumps(results, indent=2) + "\n")
+    write_file(files[0], json.dumps(results, indent=2) + "\n")
     for entry in results["models"]:
         for sec in entry["sections"]:
             plot = report_dir / entry["model"] / f"ppl_vs_bits_{sec['chunk_tokens']}.png"
@@ -169,15 +170,20 @@ def write(report_dir: Path, results: dict) -> list[Path]:
             plot = report_dir / entry["model"] / budget_report.PLOT
             budget_report.plot_budgets(entry["budgets"], plot)
             files.append(plot)
-    files[1].write_text(markdown(results))
+    write_file(files[1], markdown(results))
     return files
 
 
 def main(argv: list[str]) -> None:
+    force = "--force" in argv
+    argv = [a for a in argv if a != "--force"]
     if len(argv) < 2:
-        raise SystemExit("usage: python -m tqexport.bench.model_report REPORT_DIR MODEL...")
+        raise SystemExit(
+            "usage: python -m tqexport.bench.model_report REPORT_DIR MODEL... [--force]"
+        )
     report_dir = Path(argv[0])
     try:
+        report.check_out(report_dir, force, ("models.json", "models.md"), "REPORT_DIR")
         files = write(report_dir, build(report_dir, argv[1:]))
     except TQExportError as e:
         raise SystemExit(f"error: {e}") from None

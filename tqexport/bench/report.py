@@ -9,6 +9,8 @@ from pathlib import Path
 
 from tqexport.bench import budget_report, speed_report
 from tqexport.bench.markdown import table as md_table
+from tqexport.errors import TQExportError
+from tqexport.safe_files import check_output_file, write_figure, write_file
 
 
 def machine() -> dict:
@@ -46,7 +48,6 @@ def machine() -> dict:
 def merge_quality(parts: list[dict], model: str) -> tuple[dict, dict | None, str | None]:
     """One quality result from several ``bench quality --json`` runs of the same model, text
     and chunking (their runs concatenated; the peer from whichever part ran it)."""
-    from tqexport.errors import TQExportError
 
     first = parts[0]["quality"]
     merged = {**first, "runs": []}
@@ -275,7 +276,7 @@ def plot_quality(rows: list[dict], path: Path) -> list:
     labels = place_labels(fig, ax, [(r["bits_per_element"], r["ppl_delta_pct"],
                                      r["label"] if r["tool"] == "tqexport"
                                      else f"llama.cpp {r['label']}") for r in order])  # fmt: skip
-    fig.savefig(path, dpi=120)
+    write_figure(fig, path, dpi=120)
     plt.close(fig)
     return labels
 
@@ -305,7 +306,7 @@ def plot_decode(rows: list[dict], path: Path, ylabel: str, log_y: bool = False) 
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax.grid(alpha=0.3)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    write_figure(fig, path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -409,11 +410,24 @@ def markdown(results: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
+#: the files that make a folder hold a report (``bench report -o`` replaces them only with --force)
+REPORT_FILES = ("results.json", "report.md")
+
+
+def check_out(out_dir: Path, force: bool, names=REPORT_FILES, option: str = "-o") -> None:
+    """Before any measurement: ``out_dir`` must be a folder that can be written (made if
+    missing), and may hold a report already only with ``force``."""
+    if os.path.lexists(out_dir) and not out_dir.is_dir():
+        raise TQExportError(f"{option} {out_dir} exists and is not a directory; choose another")
+    for name in names:
+        check_output_file(out_dir / name, force, option)
+
+
 def write(out_dir: Path, results: dict) -> list[Path]:
     """Write results.json, the plots and report.md into ``out_dir``; returns the files."""
     out_dir.mkdir(parents=True, exist_ok=True)
     files = [out_dir / "results.json"]
-    files[0].write_text(json.dumps(results, indent=2) + "\n")
+    write_file(files[0], json.dumps(results, indent=2) + "\n")
     if results["rows"]:
         plot_quality(results["rows"], out_dir / "ppl_vs_bits.png")
         files.append(out_dir / "ppl_vs_bits.png")
@@ -439,6 +453,6 @@ def write(out_dir: Path, results: dict) -> list[Path]:
             log_y=True,
         )
         files.append(out_dir / "decode_peers.png")
-    (out_dir / "report.md").write_text(markdown(results))
+    write_file(out_dir / "report.md", markdown(results))
     files.append(out_dir / "report.md")
     return files

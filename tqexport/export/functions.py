@@ -13,7 +13,6 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import os
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,6 +29,7 @@ from tqexport.kvquant.codecs import MODEL_DTYPES, codec_for, torch_dtype
 from tqexport.models.loader import cache_dir
 from tqexport.ops import reference
 from tqexport.ops.attributes import CACHE_WRITE, DOMAIN
+from tqexport.safe_files import write_file
 
 
 class _CacheWriteBody(torch.nn.Module):
@@ -272,10 +272,7 @@ def _cached_body(op: str, attrs: dict, opset: int) -> bytes:
     except (OSError, DecodeError):
         data = _function_model(op, attrs, opset).SerializeToString()
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+            write_file(path, data)
         except OSError:  # a read-only cache costs time, never a build
             pass
     _EXPORTED[key] = data

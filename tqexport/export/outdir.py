@@ -14,10 +14,8 @@ directories of builds whose process is gone (kill -9, power loss) are removed by
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
-import functools
 import os
 import re
 import shutil
@@ -27,12 +25,16 @@ from pathlib import Path
 from tqexport.contract.artifact import open_artifact
 from tqexport.contract.files import ADDED_FILES, MANIFEST_FILE, SPEC_FILE, read_manifest
 from tqexport.errors import TQExportError
+from tqexport.safe_files import (
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
+    UNSUPPORTED,
+    create_exclusive,
+    open_existing_nofollow,
+    renameat2,
+)
 
 _STAGING = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)$")
-#: renameat2 flags (linux/fs.h) and the "relative to the working directory" descriptor
-_RENAME_NOREPLACE, _RENAME_EXCHANGE, _AT_FDCWD = 1, 2, -100
-#: errors that mean "this kernel, libc or filesystem has no such rename"
-_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
 def check_target(out_dir: Path, force: bool) -> Path:
@@ -151,35 +153,11 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-@functools.cache
-def _libc_renameat2():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):  # not Linux, or a libc without it
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _renameat2(src: Path, dst: Path, flags: int) -> bool:
-    """Linux ``renameat2``; False where the libc, kernel or filesystem lacks it or the flag."""
-    fn = _libc_renameat2()
-    if fn is None:
-        return False
-    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in _UNSUPPORTED:
-        return False
-    raise OSError(code, os.strerror(code), str(src), None, str(dst))
-
-
 def rename_noreplace(src: Path, dst: Path) -> None:
     """Move the directory ``src`` to ``dst`` atomically; FileExistsError if ``dst`` exists.
     Without renameat2 the name is claimed with mkdir and ``src`` renamed onto that empty
     directory, which fails if anything was put into it meanwhile."""
-    if _renameat2(src, dst, _RENAME_NOREPLACE):
+    if renameat2(src, dst, RENAME_NOREPLACE):
         return
     os.mkdir(dst)
     try:
@@ -195,13 +173,20 @@ def rename_noreplace(src: Path, dst: Path) -> None:
 
 
 def remove_stale_staging(target: Path) -> list[Path]:
-    """Delete ``.NAME.tmp-PID`` / ``.NAME.old-PID`` siblings of dead builds; returns them."""
+    """Delete ``.NAME.tmp-PID`` / ``.NAME.old-PID`` siblings of dead builds; returns them. Only
+    real directories this user owns count: a link or someone else's folder of that name stays."""
     removed = []
     if not target.parent.is_dir():
         return removed
     for p in target.parent.iterdir():
         m = _STAGING.match(p.name)
-        if m and m["name"] == target.name and p.is_dir() and not _alive(int(m["pid"])):
+        if not m or m["name"] != target.name or _alive(int(m["pid"])):
+            continue
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
@@ -221,17 +206,32 @@ def _alive(pid: int) -> bool:
 
 class _Lock:
     """An exclusive flock on ``.NAME.lock`` beside the target, held until ``release``, which
-    removes the file; a second holder fails at once with a one-line error."""
+    removes the file; a second holder fails at once with a one-line error. The file is created
+    with ``O_EXCL | O_NOFOLLOW`` and only a file this build created is written (its pid): a
+    link at that name is refused, and a file left by a dead build (or put there by anyone) is
+    unlinked once locked, never truncated, and created afresh."""
 
     def __init__(self, target: Path):
         self.path = target.with_name(f".{target.name}.lock")
         self.fd: int | None = None
         for _ in range(8):  # the holder may remove the file between our open and our flock
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            created = True
             try:
+                fd = create_exclusive(self.path, os.O_RDWR, 0o644)
+            except FileExistsError:
+                created = False
+                try:
+                    fd = open_existing_nofollow(self.path)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    raise self._foreign(e) from None
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise self._foreign(None)
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.read(fd, 32).decode(errors="replace").strip()
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
                 os.close(fd)
                 pid = f" (pid {holder})" if holder.isdigit() else ""
                 raise TQExportError(
@@ -240,21 +240,47 @@ class _Lock:
                 ) from None
             except OSError as e:
                 os.close(fd)
-                if e.errno not in _UNSUPPORTED | {errno.ENOLCK}:
+                if e.errno not in UNSUPPORTED | {errno.ENOLCK}:
                     raise
-                self.path.unlink(missing_ok=True)  # no locks on this filesystem: the swap guards
+                if created:  # no locks on this filesystem: the swap guards
+                    self.path.unlink(missing_ok=True)
                 return
+            except BaseException:
+                os.close(fd)
+                raise
             try:
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+                same = os.path.samestat(os.fstat(fd), os.lstat(self.path))
             except FileNotFoundError:
                 same = False
-            if same:
-                os.ftruncate(fd, 0)
+            if same and created:
                 os.write(fd, f"{os.getpid()}\n".encode())
                 self.fd = fd
                 return
+            if same:  # a stale lock file: locked by us, so no build holds it; remove the name
+                try:
+                    self.path.unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    os.close(fd)
+                    raise self._foreign(e) from None
             os.close(fd)
         raise TQExportError(f"cannot lock {self.path}: it keeps changing; try again")
+
+    def _foreign(self, e: OSError | None) -> TQExportError:
+        """The error for a lock name this build cannot use: a link, not a file, not ours."""
+        try:
+            what = "a symbolic link" if self.path.is_symlink() else None
+        except OSError:
+            what = None
+        if what is None and e is not None and e.errno == errno.ELOOP:
+            what = "a symbolic link"
+        if what is None:
+            what = f"not removable by this user ({e.strerror})" if e is not None else "not a file"
+        return TQExportError(
+            f"the lock file {self.path} is {what} that no tqexport build made; remove it or "
+            "choose another -o"
+        )
 
     def release(self) -> None:
         if self.fd is not None:
@@ -336,7 +362,7 @@ class Staging:
         if not files:
             what = f"the empty directory {self.target}"
         try:
-            exchanged = _renameat2(self.path, self.target, _RENAME_EXCHANGE)
+            exchanged = renameat2(self.path, self.target, RENAME_EXCHANGE)
             old = self.target.with_name(f".{self.target.name}.old-{os.getpid()}")
             if exchanged:
                 old = self.path
@@ -372,7 +398,7 @@ class Staging:
         """Return the swapped-out directory ``old`` to the target's name."""
         try:
             if exchanged:
-                _renameat2(old, self.target, _RENAME_EXCHANGE)
+                renameat2(old, self.target, RENAME_EXCHANGE)
                 self.path = old  # the staged build again, if it still is (see discard)
             else:
                 rename_noreplace(old, self.target)

@@ -9,7 +9,6 @@ lazily: without it (or without a GPU) the build stops with a one-line error sayi
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import onnx
@@ -18,6 +17,7 @@ from tqexport.contract.artifact import open_artifact
 from tqexport.contract.files import ENGINE_FILE, PROFILE_FILE
 from tqexport.errors import TQExportError
 from tqexport.ops.attributes import DOMAIN, cache_write_attrs
+from tqexport.safe_files import write_file
 from tqexport.spec import ModelSpec
 from trt_plugins.toolchain import require_gpu, require_tensorrt
 
@@ -125,11 +125,6 @@ def build_engine(artifact_dir: str | Path, max_batch: int, max_tokens: int, max_
 
 
 def _replace(path: Path, data: bytes) -> None:
-    """Write ``path`` as a new file (a temporary name, then renamed over it): a link or FIFO
-    left at ``path`` is replaced, never written through, and no reader sees half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write ``path`` as a new file (a fresh temporary name, then renamed over it): a link or
+    FIFO left at ``path`` is replaced, never written through, and no reader sees half a file."""
+    write_file(path, data)

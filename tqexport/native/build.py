@@ -14,11 +14,13 @@ import os
 import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqexport.errors import TQExportError
 from tqexport.native import header
+from tqexport.safe_files import make_temp_dir, write_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_DIR = ROOT / "plugins"
@@ -119,10 +121,21 @@ def build(sanitize: bool = False, compiler: str | None = None) -> Built:
             return Built(out, digest)
     except (OSError, ValueError, KeyError):
         pass
-    out.parent.mkdir(parents=True, exist_ok=True)
-    gen_dir = out.parent / "generated"
-    gen_dir.mkdir(exist_ok=True)
-    (gen_dir / "tqx_generated.h").write_text(header.render())
+    work = make_temp_dir(out)  # objects and the link made in a fresh folder, then moved
+    try:
+        _compile(work, out, digest, include, sanitize, compiler)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return Built(out, digest)
+
+
+def compile_objects(work: Path, include: Path, sanitize: bool = False, compiler: str | None = None,
+                    digest: str = "") -> list[Path]:  # fmt: skip
+    """Every object of the library, compiled in ``work`` (the units at once, one per core), in
+    link order: the other sources, then the attention kernel once per instruction set."""
+    gen_dir = work / "generated"
+    gen_dir.mkdir()
+    write_file(gen_dir / "tqx_generated.h", header.render())
     cxx = compiler or os.environ.get("CXX") or "g++"
     flags = [*COMMON_FLAGS, *(SANITIZE_FLAGS if sanitize else []), f"-I{include}",
              f"-I{gen_dir}", f"-I{SOURCE_DIR}", f'-DTQX_SOURCE_HASH="{digest}"']  # fmt: skip
@@ -132,18 +145,25 @@ def build(sanitize: bool = False, compiler: str | None = None) -> Built:
     units += [(kernel, f"{ATTENTION_SOURCE}_{isa}.o",
                [*ATTENTION_FLAGS, *march, f"-DTQX_ISA={isa}"])
               for isa, march in ISA_FLAGS.items()]  # fmt: skip
-    objects = []
-    for src, name, extra in units:
-        obj = out.parent / name
-        _run([cxx, *flags, *extra, "-c", str(src), "-o", str(obj)])
-        objects.append(str(obj))
-    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    commands = [[cxx, *flags, *extra, "-c", str(src), "-o", str(work / name)]
+                for src, name, extra in units]  # fmt: skip
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(_run, commands))
+    return [work / name for _, name, _ in units]
+
+
+def _compile(work: Path, out: Path, digest: str, include: Path, sanitize: bool,
+             compiler: str | None) -> None:  # fmt: skip
+    """Compile and link in ``work``; the library and its build_info.json replace the old."""
+    cxx = compiler or os.environ.get("CXX") or "g++"
+    objects = compile_objects(work, include, sanitize, cxx, digest)
+    linked = work / out.name
     link = [cxx, "-shared", *(["-fsanitize=address,undefined"] if sanitize else [])]
-    _run([*link, *objects, "-o", str(tmp)])
-    os.replace(tmp, out)
-    info.write_text(json.dumps({"source_hash": digest, "ort_api_version": ORT_API_VERSION,
-                                "include": str(include), "compiler": cxx}) + "\n")  # fmt: skip
-    return Built(out, digest)
+    _run([*link, *map(str, objects), "-o", str(linked)])
+    os.replace(linked, out)
+    write_file(out.with_name("build_info.json"),
+               json.dumps({"source_hash": digest, "ort_api_version": ORT_API_VERSION,
+                           "include": str(include), "compiler": cxx}) + "\n")  # fmt: skip
 
 
 def _run(cmd: list[str]) -> None:
