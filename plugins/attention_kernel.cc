@@ -8,12 +8,12 @@
 #include <limits>
 #include <vector>
 
-#include "attention.h"
-#include "decode.h"
-
 #ifndef TQX_ISA
 #define TQX_ISA base
 #endif
+
+#include "attention.h"
+#include "decode.h"
 
 namespace tqx {
 namespace TQX_ISA {

@@ -1,5 +1,12 @@
 // Decode of every cache format (inline: the attention loop reads each slot through these).
+// Included only by the attention kernel, which is compiled once per instruction set: its
+// functions live in that set's namespace (TQX_ISA), so no two kernels share a symbol and a
+// linker can never hand one set's code to another (an AVX-512 helper on the baseline path).
 #pragma once
+
+#ifndef TQX_ISA
+#error "decode.h belongs to the per-ISA attention kernel: define TQX_ISA before including it"
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -12,6 +19,7 @@
 #include "formats.h"
 
 namespace tqx {
+namespace TQX_ISA {
 namespace detail {
 
 inline void unpack_lookup(const uint8_t* in, int n, int bits, const float* table, float* out) {
@@ -336,4 +344,5 @@ inline void decode_value(const Format& f, const CacheView& c, int64_t th, float*
   }
 }
 
+}  // namespace TQX_ISA
 }  // namespace tqx

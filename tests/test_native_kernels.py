@@ -775,3 +775,35 @@ def test_ort_runs_the_native_kernel_not_the_function_body(library, tmp_path, op)
     assert _profiled_ops(op, attrs, inputs, outs, library, tmp_path / "native") == {op}
     ops = _profiled_ops(op, attrs, inputs, outs, None, tmp_path / "bodies")
     assert op not in ops and body_ops <= ops, ops
+
+
+#: nm's letters for code: a global or weak function
+_CODE = set("TWi")
+
+
+def _code_symbols(obj: Path) -> set[str]:
+    out = subprocess.run(["nm", "--defined-only", "-C", str(obj)], capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    return {
+        name for _, kind, name in (ln.split(" ", 2) for ln in out.splitlines()) if kind in _CODE
+    }
+
+
+def test_no_code_is_shared_between_the_instruction_set_kernels(tmp_path):
+    """The kernel's helpers live in its instruction set's namespace, so no tqexport function
+    is defined in two of the per-ISA objects and no linker can hand AVX-512 code to the
+    baseline path; what they still share (standard library templates) resolves to the
+    baseline copy, linked first. Compiled as the sanitizer build (-O1: little is inlined, so
+    every helper is a symbol), where a shared helper once ran AVX-512 code on an AVX2 CPU."""
+    include = native_build.find_ort_headers()
+    if include is None:
+        pytest.skip("ONNX Runtime headers not found (set ORT_INCLUDE_DIR)")
+    objects = native_build.compile_objects(tmp_path, include, sanitize=True)
+    kernels = [o for o in objects if o.stem.startswith(f"{native_build.ATTENTION_SOURCE}_")]
+    assert [o.stem.rpartition("_")[2] for o in kernels] == ["base", "avx2", "avx512"]
+    assert objects.index(kernels[0]) < objects.index(kernels[1])  # the baseline links first
+    symbols = [_code_symbols(o) for o in kernels]
+    shared = set.union(*(a & b for i, a in enumerate(symbols) for b in symbols[i + 1 :]))
+    assert sorted(s for s in shared if not s.startswith("std::")) == []
+    assert all(any(s.startswith(f"tqx::{isa}::") for s in syms)
+               for isa, syms in zip(("base", "avx2", "avx512"), symbols))  # fmt: skip
