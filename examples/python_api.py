@@ -8,9 +8,10 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from tqexport.export.artifact import BuildOptions, build_artifact
+from tqexport.export.artifact import build_artifact
 from tqexport.runtime.engine import Engine, EngineConfig
 from tqexport.runtime.sequence import SamplingParams
+from tqexport.spec import BuildRequest
 
 
 def main() -> None:
@@ -22,7 +23,7 @@ def main() -> None:
     args = p.parse_args()
 
     out = args.out or Path(tempfile.mkdtemp(prefix="tqexport-")) / "artifact"
-    built = build_artifact(args.model, out, BuildOptions(kv_cache_dtype=args.kv_cache_dtype))
+    built = build_artifact(args.model, out, BuildRequest(kv_cache_dtype=args.kv_cache_dtype))
     for layer in built.spec.layers:  # which layer got which cache
         print(f"layer {layer.index}: {layer.kv_cache_dtype} ({layer.skipped_by or 'as asked'})")
 

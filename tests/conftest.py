@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from tqexport.export.artifact import BuildOptions, build_artifact
+from tqexport.export.artifact import build_artifact
+from tqexport.spec import BuildRequest
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -40,7 +41,7 @@ def artifacts(tmp_path_factory):
         out = root / f"{model}-{kv_dtype}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
         with FileLock(f"{out}.lock"):
             if not (out / "tqexport.json").is_file():
-                opts = BuildOptions(
+                opts = BuildRequest(
                     kv_cache_dtype=kv_dtype, skip_layers=list(skip), boundary=False, **kw
                 )
                 build_artifact(model, out, opts)

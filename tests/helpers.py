@@ -15,6 +15,7 @@ from tqexport.kvquant.turboquant import vllm_twin
 from tqexport.models.paged import PagedCausalLM
 from tqexport.ops.attributes import DOMAIN
 from tqexport.resolve import AttentionLayer, ModelDescription, resolve
+from tqexport.spec import BuildRequest
 from tqexport.verify.parity import compare_write
 
 #: what the heavy per-dtype matrices run: every name but bfloat16 (ONNX Runtime's CPU provider
@@ -56,7 +57,7 @@ def layer_for(dtype, window=None, heads=2, d=64):
     """Layer 0 of a one-layer float32 model with a ``dtype`` cache (block size 4)."""
     desc = describe([window], head_size=d, kv_heads=heads, dtype="float32")
     return resolve(
-        desc, dtype, boundary=False, block_size=4, kv_scales={0: (0.5, 2.0)}
+        desc, BuildRequest(dtype, boundary=False, block_size=4), kv_scales={0: (0.5, 2.0)}
     ).spec.layers[0]
 
 

@@ -24,6 +24,7 @@ from tqexport.ops import reference
 from tqexport.ops.attributes import DOMAIN, PAGED_ATTENTION, node_attrs
 from tqexport.ops.library import codec_for
 from tqexport.resolve import resolve
+from tqexport.spec import BuildRequest
 
 DTYPES = MATRIX_DTYPES
 ONNX_TYPES = {"float32": 1, "uint8": 2, "float16": 10, "int64": 7, "int32": 6}
@@ -115,7 +116,7 @@ def test_reference_matches_the_per_query_definition(dtype, window, softcap, rece
 
 def single_node_session(codec_name, inputs, threads=1, kv_heads=3, heads=9):
     desc = describe([None], head_size=64, kv_heads=kv_heads, dtype="float32")
-    layer = resolve(desc, codec_name, boundary=False, block_size=16).spec.layers[0]
+    layer = resolve(desc, BuildRequest(codec_name, boundary=False, block_size=16)).spec.layers[0]
     attrs = node_attrs(PAGED_ATTENTION, layer, num_heads=heads)
     fn, extra = function_for(PAGED_ATTENTION, attrs, 21)
     names = [f"in{i}" for i in range(len(inputs))]

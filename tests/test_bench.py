@@ -17,6 +17,7 @@ from tqexport.errors import TQExportError
 from tqexport.kvquant.codecs import make_codec
 from tqexport.metrics import Totals
 from tqexport.models.loader import load_model
+from tqexport.spec import BuildRequest
 
 MODEL = "tiny-llama"
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,13 +131,13 @@ def test_paged_perplexity_matches_direct_computation(monkeypatch, kv_dtype, rece
     # step 20: each 48-token chunk is prefilled and scored in steps of 20, 20 and 8 tokens
     monkeypatch.setattr(quality, "SCORE_STEP_TOKENS", step)
     text = evaltext.EvalText("bytes", "".join(chr(32 + (i * 7919) % 90) for i in range(200)))
-    config = quality.Config(kv_dtype, boundary=False, recent_window=recent)
+    config = quality.Config(BuildRequest(kv_dtype, boundary=False, recent_window=recent))
     res, chunks = quality.evaluate(
         MODEL, [config], text, chunk=48, max_chunks=3, tokenizer=ByteTokenizer()
     )
     assert [len(c) for c in chunks] == [48, 48, 48] and chunks[0] == list(text.text[:48].encode())
     lm = load_model(MODEL, "float32")
-    spec = quality.resolve_spec(MODEL, lm, quality.BuildOptions(kv_dtype, boundary=False))[0]
+    spec = quality.resolve_spec(MODEL, lm, BuildRequest(kv_dtype, boundary=False))[0]
     name = f"tq_fake_{kv_dtype}_{recent}"
     codecs = {la.index: make_codec(la.kv_cache_dtype, la.cache.head_size, model_dtype="float32",
                                    k_scale=la.cache.k_scale, v_scale=la.cache.v_scale)
@@ -164,7 +165,7 @@ def test_paged_perplexity_matches_direct_computation(monkeypatch, kv_dtype, rece
 
 def test_bits_per_element_counts_every_layer():
     lm = load_model(MODEL, "float32")
-    spec = quality.resolve_spec(MODEL, lm, quality.BuildOptions("turboquant_4bit_nc"))[0]
+    spec = quality.resolve_spec(MODEL, lm, BuildRequest("turboquant_4bit_nc"))[0]
     dtypes = [la.kv_cache_dtype for la in spec.layers]
     tq = "turboquant_4bit_nc"
     assert dtypes == ["auto", "auto", tq, tq, "auto", "auto"]  # 6 layers: vLLM's boundary 2
@@ -226,7 +227,9 @@ def test_artifact_dir_is_scored_on_onnx_runtime_like_the_torch_path(artifacts):
     text = evaltext.EvalText("bytes", "".join(chr(40 + (i * 31) % 80) for i in range(120)))
     kw = dict(chunk=40, max_chunks=2, tokenizer=ByteTokenizer())
     on_dir, _ = quality.evaluate(str(art), [], text, **kw)
-    on_model, _ = quality.evaluate(MODEL, [quality.Config("fp8", boundary=False)], text, **kw)
+    on_model, _ = quality.evaluate(
+        MODEL, [quality.Config(BuildRequest("fp8", boundary=False))], text, **kw
+    )
     (ort_run,), (torch_run,) = on_dir["runs"], on_model["runs"]
     assert (ort_run["backend"], torch_run["backend"]) == ("ort", "torch")
     assert ort_run["layer_dtypes"] == torch_run["layer_dtypes"] == ["fp8"] * 6
@@ -313,7 +316,7 @@ def test_quality_configs_score_key_transforms_on_native_turboquant_only():
 
     dtypes = ["auto", "turboquant_4bit_nc", "tqx_k4v4"]
     configs = quality_configs(dtypes, "off", None, "0,32", key_transforms="none,signs+center")
-    got = [(c.label, c.key_transform) for c in configs]
+    got = [(c.label, c.request.key_transform_label) for c in configs]
     assert got == [
         ("auto", "none"),
         ("turboquant_4bit_nc no-boundary", "none"),

@@ -9,7 +9,8 @@ import pytest
 
 from tqexport.contract.artifact import open_artifact
 from tqexport.errors import TQExportError
-from tqexport.export.artifact import BuildOptions, build_artifact
+from tqexport.export.artifact import build_artifact
+from tqexport.spec import BuildRequest
 from tqexport.verify.parity import run_parity
 
 
@@ -71,7 +72,7 @@ def test_default_calibration_text_is_not_the_evaluation_text(tmp_path, monkeypat
     real = artifact.calibrate_scales
     monkeypatch.setattr(artifact, "calibrate_scales", lambda lm, spec, text: seen.append(text)
                         or real(lm, spec, text))  # fmt: skip
-    build_artifact("tiny-llama", tmp_path / "a", BuildOptions(kv_cache_dtype="fp8",
+    build_artifact("tiny-llama", tmp_path / "a", BuildRequest(kv_cache_dtype="fp8",
                                                               kv_scales="calibrate"))  # fmt: skip
     scored = pydoc_topics().text[:60_000]  # the report scores 8192 tokens: ~34k characters
     assert len(seen) == 1 and len(seen[0]) >= 24000
@@ -171,7 +172,7 @@ def test_existing_output_needs_force(tmp_path, artifacts):
     r = cli("build", "tiny-llama", "-o", str(existing))
     assert r.returncode == 2 and "--force" in r.stderr
     with pytest.raises(TQExportError, match="--force"):
-        build_artifact("tiny-llama", existing, BuildOptions())
+        build_artifact("tiny-llama", existing, BuildRequest())
 
 
 def corrupt(tmp_path, artifacts, edit):
@@ -268,8 +269,11 @@ def test_smollm2_boundary_3_plan_and_real_artifact_read_back(artifacts):
     with parity is `make demo`'s job (mixed per-layer graphs: the tiny models above)."""
     from tqexport.models.config import describe_model
     from tqexport.resolve import resolve
+    from tqexport.spec import BuildRequest
 
-    spec = resolve(describe_model("smollm2"), "turboquant_k3v4_nc", ["boundary:3"]).spec
+    spec = resolve(
+        describe_model("smollm2"), BuildRequest("turboquant_k3v4_nc", ["boundary:3"])
+    ).spec
     quantized = [la.index for la in spec.layers if la.mode.is_quantized]
     assert quantized == list(range(3, 27)) and len(spec.layers) == 30
     assert {la.skipped_by for la in spec.layers if la.index not in quantized} == {
@@ -289,7 +293,7 @@ def test_build_from_hf_directory(tmp_path):
     lm = load_model("tiny-qwen3")
     src = tmp_path / "hf-model"
     lm.model.save_pretrained(src)
-    art = build_artifact(str(src), tmp_path / "art", BuildOptions(kv_cache_dtype="fp8_e4m3"))
+    art = build_artifact(str(src), tmp_path / "art", BuildRequest(kv_cache_dtype="fp8_e4m3"))
     spec = open_artifact(art.out_dir).spec
     assert spec.model["architecture"] == "Qwen3ForCausalLM" and spec.model["path"] == str(src)
     assert run_parity(open_artifact(art.out_dir), steps=1, prompt_len=10, batch=2).ok

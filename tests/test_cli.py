@@ -451,7 +451,7 @@ def test_no_torch_warning_before_an_error(tmp_path):
 @pytest.mark.parametrize("value", ["inf", "nan", "-1", "0"])
 def test_build_refuses_non_finite_kv_scales_and_writes_nothing(capsys, tmp_path, value):
     from tqexport.errors import TQExportError
-    from tqexport.export.artifact import parse_kv_scales
+    from tqexport.spec import parse_kv_scales
 
     with pytest.raises(TQExportError, match="positive finite number"):
         parse_kv_scales(value)

@@ -15,7 +15,7 @@ from tqexport.kvquant import transforms
 from tqexport.kvquant.transforms import KeyStats, KeyTransform, fit, parse_key_transform
 from tqexport.models.loader import load_model
 from tqexport.resolve import ResolveError, resolve
-from tqexport.spec import LayerSpec, ModelSpec, SpecError, cache_spec
+from tqexport.spec import BuildRequest, LayerSpec, ModelSpec, SpecError, cache_spec
 
 
 def test_parse_key_transform_orders_kinds_and_refuses_typos():
@@ -46,7 +46,9 @@ def _random_transform(kinds, kvh, d, seed):
 def _unquantized_with_window(lm, window):
     """tiny-llama's plan with every layer's caches unquantized but a recent window kept: the
     two segments attention reads, with nothing quantized to blur the comparison."""
-    spec = resolve(lm.description, "tqx_k4v4", boundary=False, recent_window=window).spec
+    spec = resolve(
+        lm.description, BuildRequest("tqx_k4v4", boundary=False, recent_window=window)
+    ).spec
     layers = []
     for la in spec.layers:
         c = la.cache
@@ -54,7 +56,7 @@ def _unquantized_with_window(lm, window):
                            head_size=c.head_size, block_size=c.block_size,
                            model_dtype=c.model_dtype)  # fmt: skip
         layers.append(dataclasses.replace(la, cache=plain))
-    return dataclasses.replace(spec, layers=tuple(layers), request={})
+    return dataclasses.replace(spec, layers=tuple(layers), request=None)
 
 
 @pytest.mark.parametrize("kinds", [("center",), ("smooth", "signs"), ("center", "smooth", "signs")])
@@ -67,7 +69,7 @@ def test_attention_through_transformed_keys_equals_the_plain_one(kinds, window):
     if window:
         plain = _unquantized_with_window(lm, window)
     else:
-        plain = resolve(lm.description, "auto").spec
+        plain = resolve(lm.description, BuildRequest("auto")).spec
     layers = tuple(
         dataclasses.replace(
             la,
@@ -142,16 +144,17 @@ def test_the_spec_round_trips_a_transform_and_refuses_what_is_not_exact_or_nativ
 def test_resolve_refuses_transforms_on_vllm_names_and_centering_under_softcap():
     with pytest.raises(ResolveError, match="tqexport-native TurboQuant"):
         resolve(
-            describe([None] * 2), "turboquant_4bit_nc", key_transform=("signs",), boundary=False
+            describe([None] * 2),
+            BuildRequest("turboquant_4bit_nc", key_transform=("signs",), boundary=False),
         )
     soft = describe([None, None])
     soft = dataclasses.replace(
         soft, layers=tuple(dataclasses.replace(la, softcap=50.0) for la in soft.layers)
     )
     with pytest.raises(ResolveError, match="softcap"):
-        resolve(soft, "tqx_k4v4", key_transform=("center",), boundary=False)
-    ok = resolve(soft, "tqx_k4v4", key_transform=("smooth",), boundary=False).spec
-    assert ok.request["key_transform"] == "smooth"
+        resolve(soft, BuildRequest("tqx_k4v4", key_transform=("center",), boundary=False))
+    ok = resolve(soft, BuildRequest("tqx_k4v4", key_transform=("smooth",), boundary=False)).spec
+    assert ok.request.key_transform_label == "smooth"
 
 
 def test_build_stores_fitted_transforms_that_the_graph_and_parity_follow(tmp_path):
@@ -161,17 +164,18 @@ def test_build_stores_fitted_transforms_that_the_graph_and_parity_follow(tmp_pat
     import onnx
 
     from tqexport.contract.artifact import open_artifact
-    from tqexport.export.artifact import BuildOptions, build_artifact
+    from tqexport.export.artifact import build_artifact
+    from tqexport.spec import BuildRequest
     from tqexport.verify.parity import run_parity
 
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(f"token{i} is text number {i}." for i in range(200)))
     out = tmp_path / "art"
-    options = BuildOptions(kv_cache_dtype="tqx_k4v4", recent_window=4,
+    options = BuildRequest(kv_cache_dtype="tqx_k4v4", recent_window=4,
                            key_transform="center+smooth+signs", calibration_text=text)  # fmt: skip
     result = build_artifact("tiny-llama", out, options)
     spec = ModelSpec.from_json((out / "tqexport.json").read_text())
-    assert spec.request["key_transform"] == "center+smooth+signs"
+    assert spec.request.key_transform_label == "center+smooth+signs"
     for la in spec.layers:
         assert (la.key_transform is not None) == la.mode.is_quantized
         if la.key_transform is not None:

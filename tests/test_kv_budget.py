@@ -15,6 +15,7 @@ from tqexport.errors import TQExportError
 from tqexport.kv_budget import as_kv_layers, candidate_bits, choose, layer_elements, least_cost
 from tqexport.models.config import describe_model
 from tqexport.resolve import resolve
+from tqexport.spec import BuildRequest
 
 
 def table_for(desc, candidates, cost):
@@ -90,7 +91,9 @@ def test_as_kv_layers_joins_runs():
     assert as_kv_layers(("auto", "auto", "fp8", "tqx_k4v4:w8", "fp8")) == (
         "0-1:auto,2:fp8,3:tqx_k4v4:w8,4:fp8"
     )
-    spec = resolve(dense(5), "auto", kv_layers="0-1:auto,2:fp8,3:tqx_k4v4:w8,4:fp8").spec
+    spec = resolve(
+        dense(5), BuildRequest("auto", kv_layers="0-1:auto,2:fp8,3:tqx_k4v4:w8,4:fp8")
+    ).spec
     assert [la.kv_cache_dtype for la in spec.layers][2:] == ["fp8", "tqx_k4v4", "fp8"]
 
 
@@ -291,10 +294,10 @@ def test_bench_quality_kv_bits_scores_the_chosen_plan_with_its_prediction(tmp_pa
     monkeypatch.setattr(commands, "_say", said.append)
     configs = commands._budget_configs("tiny-llama", "8,6", path, {"--kv-layers": None})
     want = [choose(desc, cal.read_table(path), b) for b in (8, 6)]
-    assert [(c.label, c.kv_layers, c.predicted_kl) for c in configs] == [
+    assert [(c.label, c.request.kv_layers, c.predicted_kl) for c in configs] == [
         (f"kv-bits {b}", w.kv_layers, w.predicted_cost) for b, w in zip((8, 6), want)
     ]
-    assert configs[0].kv_layers == "0-5:fp8"
+    assert configs[0].request.kv_layers == "0-5:fp8"
     want = "^--kv-bits 8 chooses every layer's dtype, window and sinks, so --recent-window has "
     with pytest.raises(TQExportError, match=want + "no effect; drop one of them$"):
         commands._budget_configs("tiny-llama", "8", path, {"--recent-window": True})
@@ -305,12 +308,13 @@ def test_the_simulation_transforms_keys_as_the_executor_does():
     simulated logits are the paged executor's, and differ from the untransformed ones."""
     from tqexport.bench.quality import _executor
     from tqexport.calibration_sim import LayerSimulation
-    from tqexport.export.artifact import BuildOptions, resolve_spec
+    from tqexport.export.artifact import resolve_spec
     from tqexport.models.loader import load_model
+    from tqexport.spec import BuildRequest
 
     lm = load_model("tiny-llama", "float32")
     ids = list(range(3, 40))
-    options = BuildOptions("auto", kv_layers="2:tqx_k4v2_mse:w4:s2", key_transform="center")
+    options = BuildRequest("auto", kv_layers="2:tqx_k4v2_mse:w4:s2", key_transform="center")
     spec, _ = resolve_spec("tiny-llama", lm, options)
     transform = spec.layers[2].key_transform
     assert transform is not None and transform.kinds == ("center",)
@@ -378,7 +382,7 @@ def test_bench_kv_bits_scores_plans_under_the_tables_key_transform(tmp_path):
     cal.Table(*list(table.__dict__.values())[:-1], key_transform="center").write(path)
     configs = commands._budget_configs("tiny-llama", "3.5", path, {}, "center")
     want = choose(desc, cal.read_table(path), 3.5)
-    assert [(c.label, c.kv_layers, c.key_transform) for c in configs] == [
+    assert [(c.label, c.request.kv_layers, c.request.key_transform_label) for c in configs] == [
         ("kv-bits 3.5 keys center", want.kv_layers, "center")
     ]
     with pytest.raises(TQExportError, match=r"^--kv-bits scores one --kv-key-transform \(the "
@@ -391,8 +395,9 @@ def test_bench_kv_bits_scores_plans_under_the_tables_key_transform(tmp_path):
 def test_under_a_key_transform_fp8_candidates_keep_plain_keys_and_plans_mix_them(tmp_path, capsys):
     """fp8 cannot take a transform: under center its costs are exactly the untransformed table's,
     the tqx_* ones differ; the chosen plan builds with fp8 layers plain and tqx_* layers keyed."""
-    from tqexport.export.artifact import BuildOptions, resolve_spec
+    from tqexport.export.artifact import resolve_spec
     from tqexport.models.loader import load_model
+    from tqexport.spec import BuildRequest
 
     tables = {}
     for kinds in ("none", "center"):
@@ -411,7 +416,7 @@ def test_under_a_key_transform_fp8_candidates_keep_plain_keys_and_plans_mix_them
     kinds = {c.split(":")[0] for c in plan.candidates}
     assert {"fp8", "tqx_k3v2_mse"} <= kinds, plan.candidates
     lm = load_model("tiny-llama", "float32")
-    options = BuildOptions("auto", kv_layers=plan.kv_layers, key_transform="center")
+    options = BuildRequest("auto", kv_layers=plan.kv_layers, key_transform="center")
     spec, _ = resolve_spec("tiny-llama", lm, options)
     for layer, candidate in zip(spec.layers, plan.candidates):
         keyed = layer.key_transform is not None

@@ -11,7 +11,7 @@ from tqexport.contract.artifact import open_artifact
 from tqexport.errors import ResolveError
 from tqexport.kv_layers import parse_kv_layers
 from tqexport.resolve import resolve
-from tqexport.spec import ModelSpec, SpecError
+from tqexport.spec import BuildRequest, ModelSpec, SpecError
 
 
 def dtypes_of(spec):
@@ -19,19 +19,21 @@ def dtypes_of(spec):
 
 
 def test_ranges_give_each_layer_its_dtype_window_and_sinks():
-    res = resolve(dense(6), "auto", kv_layers="0:auto,1-3:tqx_k4v2_mse:w8:s2,4-5:fp8")
+    res = resolve(dense(6), BuildRequest("auto", kv_layers="0:auto,1-3:tqx_k4v2_mse:w8:s2,4-5:fp8"))
     spec = res.spec
     assert dtypes_of(spec) == ["auto", *["tqx_k4v2_mse"] * 3, "fp8", "fp8"]
     assert [la.recent_window for la in spec.layers] == [0, 8, 8, 8, 0, 0]
     assert [la.sink_tokens for la in spec.layers] == [0, 2, 2, 2, 0, 0]
     assert [la.skipped_by for la in spec.layers] == [None] * 6
-    assert spec.request["kv_layers"] == "0:auto,1-3:tqx_k4v2_mse:w8:s2,4-5:fp8"
+    assert spec.request.kv_layers == "0:auto,1-3:tqx_k4v2_mse:w8:s2,4-5:fp8"
     assert res.warnings == ()
     assert ModelSpec.from_json(spec.to_json()).to_dict() == spec.to_dict()
 
 
 def test_left_out_layers_get_the_global_dtype_skips_boundary_and_window():
-    res = resolve(dense(8), "turboquant_4bit_nc", ["3"], kv_layers="4-5:fp8:w0", recent_window=4)
+    res = resolve(
+        dense(8), BuildRequest("turboquant_4bit_nc", ["3"], kv_layers="4-5:fp8:w0", recent_window=4)
+    )
     spec = res.spec
     # boundary protection (0, 1, 6, 7) and --skip-layers 3 apply to the layers left out only
     assert dtypes_of(spec) == ["auto", "auto", "turboquant_4bit_nc", "auto", "fp8", "fp8",
@@ -50,9 +52,9 @@ def test_left_out_layers_get_the_global_dtype_skips_boundary_and_window():
 
 def test_global_window_and_sinks_reach_ranges_without_their_own_and_sliding_caps():
     spec = resolve(
-        gemma_like(4, window=8), "auto", kv_layers="0-1:fp8,2-3:fp8:w64",
-        recent_window=16, sink_tokens=2,
-    ).spec  # fmt: skip
+        gemma_like(4, window=8),
+        BuildRequest("auto", kv_layers="0-1:fp8,2-3:fp8:w64", recent_window=16, sink_tokens=2),
+    ).spec
     # layer 0 slides over 8 tokens: its window caps the recent one, as without --kv-layers
     assert [la.recent_window for la in spec.layers] == [8, 16, 8, 64]
     assert [la.sink_tokens for la in spec.layers] == [2, 2, 2, 2]
@@ -110,12 +112,12 @@ def test_bad_entries_are_one_error_naming_the_entry(text, message):
 )  # fmt: skip
 def test_conflicts_with_the_global_options_name_both(args, kw, message):
     with pytest.raises(ResolveError) as e:
-        resolve(dense(6), *args, **kw)
+        resolve(dense(6), BuildRequest(*args, **kw))
     assert str(e.value).startswith(message)
 
 
 def test_spec_refuses_layers_that_do_not_fit_its_kv_layers():
-    spec = resolve(dense(4), "auto", kv_layers="0-1:fp8:w4,2:nvfp4").spec
+    spec = resolve(dense(4), BuildRequest("auto", kv_layers="0-1:fp8:w4,2:nvfp4")).spec
     d = spec.to_dict()
     d["request"]["kv_layers"] = "0-1:fp8:w4,2:fp8"
     with pytest.raises(SpecError, match="layer 2: kv_cache_dtype 'nvfp4' and skipped_by null do "
@@ -194,7 +196,7 @@ def test_built_mixed_artifact_matches_the_reference(artifacts):
     assert dtypes_of(art.spec) == ["auto", "tqx_k4v2_mse", "tqx_k4v2_mse", "fp8",
                                    "int4_per_token_head", "nvfp4"]  # fmt: skip
     assert [la.recent_window for la in art.spec.layers] == [0, 8, 8, 0, 4, 0]
-    assert art.spec.request["kv_layers"] == kv
+    assert art.spec.request.kv_layers == kv
     assert run_parity(art, steps=2, prompt_len=20, batch=2).ok
 
 
@@ -215,13 +217,13 @@ def test_bench_quality_scores_a_kv_layers_configuration(monkeypatch):
     from tqexport.bench import matrix
 
     configs = matrix.quality_configs(None, "both", None, "0,4", kv_layers=["0-2:fp8", "3:nvfp4"])
-    assert [(c.kv_layers, c.recent_window, c.label) for c in configs] == [
+    assert [(c.request.kv_layers, c.request.recent_window, c.label) for c in configs] == [
         ("0-2:fp8", 0, "layers 0-2:fp8"),
         ("0-2:fp8", 4, "layers 0-2:fp8 recent 4"),
         ("3:nvfp4", 0, "layers 3:nvfp4"),
         ("3:nvfp4", 4, "layers 3:nvfp4 recent 4"),
     ]
-    assert configs[1].build_options().kv_layers == "0-2:fp8"
+    assert configs[1].request.kv_layers == "0-2:fp8"
 
 
 def test_key_transforms_go_to_the_quantized_ranges_only():
@@ -230,7 +232,10 @@ def test_key_transforms_go_to_the_quantized_ranges_only():
     fitted = {
         i: transforms.fit(("signs",), None, i, num_kv_heads=2, head_size=64) for i in range(4)
     }
-    spec = resolve(dense(4), "auto", kv_layers="0-1:tqx_k4v4,2:float16", key_transform=("signs",),
-                   key_transforms=fitted).spec  # fmt: skip
+    spec = resolve(
+        dense(4),
+        BuildRequest("auto", kv_layers="0-1:tqx_k4v4,2:float16", key_transform=("signs",)),
+        key_transforms=fitted,
+    ).spec
     assert [la.key_transform is not None for la in spec.layers] == [True, True, False, False]
     assert ModelSpec.from_json(spec.to_json()).to_dict() == spec.to_dict()

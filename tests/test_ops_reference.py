@@ -9,6 +9,7 @@ from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
 from tqexport.models.loader import load_model
 from tqexport.models.paged import PagedCausalLM
 from tqexport.resolve import resolve
+from tqexport.spec import BuildRequest
 
 TINY = ["tiny-llama", "tiny-llama-d128", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-mistral"]
 
@@ -41,7 +42,7 @@ def eager_logits(model, tokens):
 @pytest.mark.parametrize("name", TINY)
 def test_hook_reproduces_transformers_forward(models, name):
     lm = get(models, name)
-    spec = resolve(lm.description, "auto").spec
+    spec = resolve(lm.description, BuildRequest("auto")).spec
     tokens = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(1)).tolist()
     got = prefill_chunks(lm, spec, tokens, 64).logits
     if name in ("tiny-gemma2", "tiny-gemma3", "tiny-mistral"):
@@ -53,7 +54,7 @@ def test_hook_reproduces_transformers_forward(models, name):
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma2"])
 def test_chunking_never_changes_results(models, name, dtype):
     lm = get(models, name)
-    spec = resolve(lm.description, dtype, boundary=False).spec
+    spec = resolve(lm.description, BuildRequest(dtype, boundary=False)).spec
     tokens = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     whole = prefill_chunks(lm, spec, tokens, 40)
     for chunk in (7, 1):
@@ -62,7 +63,7 @@ def test_chunking_never_changes_results(models, name, dtype):
 
 def test_mixed_batch_equals_sequences_alone(models):
     lm = get(models, "tiny-gemma2")
-    spec = resolve(lm.description, "turboquant_k3v4_nc", boundary=False).spec
+    spec = resolve(lm.description, BuildRequest("turboquant_k3v4_nc", boundary=False)).spec
     g = torch.Generator().manual_seed(3)
     a = torch.randint(0, 256, (20,), generator=g).tolist()
     b = torch.randint(0, 256, (9,), generator=g).tolist()
@@ -91,7 +92,7 @@ def test_mixed_batch_equals_sequences_alone(models):
 
 def test_padding_tokens_and_rows_leave_other_caches_untouched(models):
     lm = get(models, "tiny-llama")
-    spec = resolve(lm.description, "turboquant_4bit_nc", boundary=False).spec
+    spec = resolve(lm.description, BuildRequest("turboquant_4bit_nc", boundary=False)).spec
     pm = PagedCausalLM(lm.model, spec, mode="inplace")
     caches = allocate_caches(spec, 8)
     tables = [[1, 2] for _ in spec.groups]
@@ -116,7 +117,7 @@ def test_strict_hook_rejects_unknown_attention_arguments(models):
             return spec.layers[i]
 
     lm = get(models, "tiny-llama")
-    spec = resolve(lm.description, "auto").spec
+    spec = resolve(lm.description, BuildRequest("auto")).spec
     module = lm.model.model.layers[0].self_attn
     q = torch.zeros(1, 4, 2, 64)
     with pytest.raises(UnsupportedModelError, match="'s_aux'"):
@@ -129,7 +130,7 @@ def test_strict_hook_rejects_unknown_attention_arguments(models):
 
 def test_hook_reproduces_transformers_on_smollm2(models):
     lm = get(models, "smollm2")
-    spec = resolve(lm.description, "auto").spec
+    spec = resolve(lm.description, BuildRequest("auto")).spec
     text = "The quick brown fox jumps over the lazy dog. " * 8
     tokens = lm.tokenizer(text)["input_ids"][:64]
     assert len(tokens) == 64

@@ -14,7 +14,8 @@ from tqexport.contract.artifact import open_artifact
 from tqexport.errors import TQExportError
 from tqexport.export import artifact as artifact_module
 from tqexport.export import outdir
-from tqexport.export.artifact import BuildOptions, build_artifact
+from tqexport.export.artifact import build_artifact
+from tqexport.spec import BuildRequest
 
 
 def cli(*args, cwd=None):
@@ -30,7 +31,7 @@ def tree(root):
 
 def test_missing_parents_are_created_and_files_share_one_mode(tmp_path):
     out = tmp_path / "a" / "b" / "art"
-    result = build_artifact("tiny-llama", out, BuildOptions())
+    result = build_artifact("tiny-llama", out, BuildRequest())
     assert result.out_dir == out and open_artifact(out).spec.layers
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
     mask = os.umask(0)
@@ -72,7 +73,7 @@ def test_force_replaces_an_artifact_and_an_empty_directory_and_says_so(artifacts
     assert open_artifact(art).spec.layers[0].kv_cache_dtype == "fp8"
     empty = tmp_path / "empty"
     empty.mkdir()
-    result = build_artifact("tiny-llama", empty, BuildOptions(force=True))
+    result = build_artifact("tiny-llama", empty, BuildRequest(), force=True)
     assert result.replaced == f"the empty directory {empty}"
     assert open_artifact(empty).spec.layers
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
@@ -88,7 +89,7 @@ def test_stale_staging_of_dead_builds_is_removed(tmp_path):
         (p / "model.onnx").write_bytes(b"partial")
     live = tmp_path / f".art.tmp-{os.getppid()}"  # a running process: left alone
     live.mkdir()
-    build_artifact("tiny-llama", tmp_path / "art", BuildOptions())
+    build_artifact("tiny-llama", tmp_path / "art", BuildRequest())
     assert not any(p.exists() for p in stale)
     assert other.exists() and live.exists()
 
@@ -97,9 +98,9 @@ def test_a_file_in_the_way_is_refused_before_any_work(tmp_path, monkeypatch):
     (tmp_path / "f").write_text("x")
     monkeypatch.setattr(artifact_module, "load_model", pytest.fail)
     with pytest.raises(TQExportError, match="is not a directory"):
-        build_artifact("tiny-llama", tmp_path / "f" / "art", BuildOptions())
+        build_artifact("tiny-llama", tmp_path / "f" / "art", BuildRequest())
     with pytest.raises(TQExportError, match="is not a directory"):
-        build_artifact("tiny-llama", tmp_path / "f", BuildOptions(force=True))
+        build_artifact("tiny-llama", tmp_path / "f", BuildRequest(), force=True)
     assert tree(tmp_path) == ["f"]
 
 
@@ -110,7 +111,7 @@ def test_unwritable_location_fails_before_loading(tmp_path, monkeypatch):
     monkeypatch.setattr(artifact_module, "load_model", pytest.fail)
     monkeypatch.setattr(outdir.Path, "mkdir", refuse)
     with pytest.raises(TQExportError, match="cannot write into .*Permission denied"):
-        build_artifact("tiny-llama", tmp_path / "art", BuildOptions())
+        build_artifact("tiny-llama", tmp_path / "art", BuildRequest())
     assert tree(tmp_path) == []
 
 
@@ -118,7 +119,7 @@ def test_full_disk_and_failed_export_leave_nothing(tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(outdir.shutil, "disk_usage", lambda p: usage(1 << 30, 1 << 30, 1 << 20))
     with pytest.raises(TQExportError, match="MiB free but the artifact needs"):
-        build_artifact("tiny-llama", tmp_path / "x" / "art", BuildOptions())
+        build_artifact("tiny-llama", tmp_path / "x" / "art", BuildRequest())
     assert tree(tmp_path) == []
     monkeypatch.undo()
 
@@ -127,7 +128,7 @@ def test_full_disk_and_failed_export_leave_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(artifact_module, "export_model", broken)
     with pytest.raises(RuntimeError):
-        build_artifact("tiny-llama", tmp_path / "x" / "art", BuildOptions())
+        build_artifact("tiny-llama", tmp_path / "x" / "art", BuildRequest())
     assert tree(tmp_path) == []
 
 
@@ -174,7 +175,7 @@ def test_a_build_leaves_a_directory_made_at_its_target_just_before_the_swap(tmp_
 
     monkeypatch.setattr(outdir.Staging, "commit", user_makes_the_target_first)
     with pytest.raises(TQExportError) as e:
-        build_artifact("tiny-llama", target, BuildOptions())
+        build_artifact("tiny-llama", target, BuildRequest())
     assert str(e.value).startswith(f"{target} was created by something else during the build")
     assert tree(tmp_path) == ["art", "art/mine.txt"]
     assert (target / "mine.txt").read_text() == "mine"
@@ -283,7 +284,7 @@ def test_force_refuses_anything_but_exactly_an_artifact_and_deletes_nothing(
     before = {p: p.read_bytes() for p in art.rglob("*") if p.is_file()}
     monkeypatch.setattr(artifact_module, "load_model", pytest.fail)
     with pytest.raises(TQExportError) as e:
-        build_artifact("tiny-llama", art, BuildOptions(force=True))
+        build_artifact("tiny-llama", art, BuildRequest(), force=True)
     assert str(e.value).startswith(message.format(art=art)), str(e.value)
     assert "\n" not in str(e.value)
     assert {p: p.read_bytes() for p in art.rglob("*") if p.is_file()} == before

@@ -50,8 +50,9 @@ def _runs(flip_at):
 
     from tqexport.contract.caches import allocate_caches
     from tqexport.resolve import resolve
+    from tqexport.spec import BuildRequest
 
-    spec = resolve(dense(1, head_size=64, kv_heads=1, dtype="float32"), "fp8").spec
+    spec = resolve(dense(1, head_size=64, kv_heads=1, dtype="float32"), BuildRequest("fp8")).spec
     codec, _, k, v, _, _ = _fp8_write()
     slots = torch.tensor([16, 17])
     caches = allocate_caches(spec, 3)

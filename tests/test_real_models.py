@@ -22,6 +22,7 @@ from tqexport.runtime.engine import Engine, EngineConfig
 from tqexport.runtime.executor import Executor
 from tqexport.runtime.sequence import SamplingParams
 from tqexport.serve.app import create_app
+from tqexport.spec import BuildRequest
 from tqexport.verify.parity import run_parity
 
 GEMMA, QWEN = "gemma3-270m", "qwen2.5-coder-0.5b"
@@ -54,7 +55,7 @@ def test_gemma_plan_is_five_sliding_to_one_full_and_sw_keeps_the_sliding_ones():
     r = cli("plan", GEMMA, "--kv-cache-dtype", "turboquant_4bit_nc", "--skip-layers", "sw",
             "--no-boundary", "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
-    spec = resolve(desc, "turboquant_4bit_nc", ["sw"], boundary=False).spec
+    spec = resolve(desc, BuildRequest("turboquant_4bit_nc", ["sw"], boundary=False)).spec
     auto = [la.index for la in spec.layers if la.cache.kv_cache_dtype == "auto"]
     assert auto == [i for i in range(18) if i % 6 != 5] and len(auto) == 15
     assert {la.skipped_by for la in spec.layers if la.index in auto} == {"--skip-layers sw"}
@@ -67,8 +68,8 @@ def test_qwen_plan_is_24_full_layers_and_sw_skips_nothing():
     assert [la.window for la in desc.layers] == [None] * 24
     assert {(la.num_kv_heads, la.head_size, la.scale) for la in desc.layers} == {(2, 64, 0.125)}
     assert (desc.architecture, desc.num_heads, desc.vocab_size) == ("Qwen2ForCausalLM", 14, 151936)
-    res = resolve(desc, "turboquant_4bit_nc", ["sw"])
-    plain = resolve(desc, "turboquant_4bit_nc").spec
+    res = resolve(desc, BuildRequest("turboquant_4bit_nc", ["sw"]))
+    plain = resolve(desc, BuildRequest("turboquant_4bit_nc")).spec
     assert [la.cache for la in res.spec.layers] == [la.cache for la in plain.layers]
     assert [la.index for la in plain.layers if la.cache.kv_cache_dtype == "auto"] == [0, 1, 22, 23]
     assert res.warnings == (

@@ -16,12 +16,13 @@ from helpers import (
 )
 
 from tqexport.contract.artifact import open_artifact
+from tqexport.errors import TQExportError
 from tqexport.models.loader import load_model
 from tqexport.ops import reference
 from tqexport.resolve import ResolveError, resolve
 from tqexport.runtime.executor import Executor
 from tqexport.runtime.sequence import SamplingParams
-from tqexport.spec import ModelSpec, SpecError
+from tqexport.spec import BuildRequest, ModelSpec, SpecError
 from tqexport.verify.parity import run_parity
 
 
@@ -37,8 +38,8 @@ def test_zero_window_spec_is_exactly_the_plain_spec():
     from tqexport.models.config import describe_model
 
     desc = describe_model("tiny-gemma2", None)
-    plain = resolve(desc, "turboquant_4bit_nc")
-    zero = resolve(desc, "turboquant_4bit_nc", recent_window=0)
+    plain = resolve(desc, BuildRequest("turboquant_4bit_nc"))
+    zero = resolve(desc, BuildRequest("turboquant_4bit_nc", recent_window=0))
     assert zero.spec.to_json() == plain.spec.to_json()
     assert "recent" not in plain.spec.to_json()
     assert zero.spec.graph_io() == plain.spec.graph_io()
@@ -48,7 +49,7 @@ def test_plan_gives_each_quantized_layer_a_recent_cache_in_its_own_group():
     from tqexport.models.config import describe_model
 
     desc = describe_model("tiny-gemma2", None)  # sliding(8) / full alternating
-    spec = resolve(desc, "fp8", ["0"], recent_window=32).spec
+    spec = resolve(desc, BuildRequest("fp8", ["0"], recent_window=32)).spec
     assert [la.recent_window for la in spec.layers] == [0, 32, 8, 32, 8, 32]
     recent = {g.window: g for g in spec.groups if g.recent}
     assert recent[32].layers == (1, 3, 5) and recent[8].layers == (2, 4)
@@ -63,16 +64,18 @@ def test_plan_gives_each_quantized_layer_a_recent_cache_in_its_own_group():
     d["layers"][1]["recent"]["window"] = 16
     with pytest.raises(SpecError, match="recent-window group"):
         ModelSpec.from_dict(d)
-    with pytest.raises(ResolveError, match="--kv-recent-window must be >= 0"):
-        resolve(desc, "fp8", recent_window=-1)
+    with pytest.raises(TQExportError, match="--kv-recent-window must be from 0 to 1048576, got -1"):
+        BuildRequest("fp8", recent_window=-1)
     with pytest.raises(ResolveError, match="--kv-recent-window 8 has no effect: --kv-cache-dtype"):
-        resolve(desc, "auto", recent_window=8)
+        resolve(desc, BuildRequest("auto", recent_window=8))
 
 
 def test_window_covering_the_context_reads_only_full_precision(llama):
-    spec = resolve(llama.description, "turboquant_4bit_nc", boundary=False).spec
-    covered = resolve(llama.description, "turboquant_4bit_nc", boundary=False, recent_window=64)
-    auto = resolve(llama.description, "auto").spec
+    spec = resolve(llama.description, BuildRequest("turboquant_4bit_nc", boundary=False)).spec
+    covered = resolve(
+        llama.description, BuildRequest("turboquant_4bit_nc", boundary=False, recent_window=64)
+    )
+    auto = resolve(llama.description, BuildRequest("auto")).spec
     quantized = prefill_chunks(llama, spec, TOKENS, 40)
     covered_run = prefill_chunks(llama, covered.spec, TOKENS, 40)
     got, r_caches = covered_run.logits, covered_run.caches
@@ -92,15 +95,15 @@ def test_window_covering_the_context_reads_only_full_precision(llama):
 
 @pytest.mark.parametrize("dtype", ["turboquant_k3v4_nc", "fp8", "int4_per_token_head"])
 def test_recent_window_is_chunking_invariant_and_between_plain_and_quantized(llama, dtype):
-    spec = resolve(llama.description, dtype, boundary=False, recent_window=8).spec
+    spec = resolve(llama.description, BuildRequest(dtype, boundary=False, recent_window=8)).spec
     whole = prefill_chunks(llama, spec, TOKENS, 40)
     for chunk in (7, 1):
         assert_same_run(spec, prefill_chunks(llama, spec, TOKENS, chunk), whole)
     whole = whole.logits
     plain = prefill_chunks(
-        llama, resolve(llama.description, dtype, boundary=False).spec, TOKENS, 40
+        llama, resolve(llama.description, BuildRequest(dtype, boundary=False)).spec, TOKENS, 40
     )
-    auto = prefill_chunks(llama, resolve(llama.description, "auto").spec, TOKENS, 40)
+    auto = prefill_chunks(llama, resolve(llama.description, BuildRequest("auto")).spec, TOKENS, 40)
     # the first 8 positions see only recent keys: exactly the unquantized result
     torch.testing.assert_close(whole[:8], auto.logits[:8], atol=1e-5, rtol=1e-5)
     assert (whole[8:] - plain.logits[8:]).abs().max() > 1e-3  # later ones mix both caches
@@ -109,7 +112,9 @@ def test_recent_window_is_chunking_invariant_and_between_plain_and_quantized(lla
 def test_executor_recycles_recent_blocks_and_matches_contiguous_prefill(llama):
     """Served through the block manager (window blocks recycled through the null block), a
     long generation equals a prefill of the same tokens with contiguous tables."""
-    spec = resolve(llama.description, "turboquant_4bit_nc", boundary=False, recent_window=8).spec
+    spec = resolve(
+        llama.description, BuildRequest("turboquant_4bit_nc", boundary=False, recent_window=8)
+    ).spec
     ex, seq = serve_on_torch(llama, spec, TOKENS[:20])
     recent_group = next(g.id for g in spec.groups if g.recent)
     assert ex.group_num_blocks[recent_group] == 1 + 2 * (1 + 2) + 1 < 16

@@ -3,6 +3,7 @@ from helpers import dense, describe, gemma_like
 
 from tqexport.kvquant.modes import KVQuantMode, kv_cache_dtype_names
 from tqexport.resolve import ResolveError, parse_skip_patterns, resolve, turboquant_boundary
+from tqexport.spec import BuildRequest
 
 TQ = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]
 
@@ -16,7 +17,7 @@ def quantized(spec):
 
 
 def test_gemma_style_skip_sw_keeps_sliding_layers_unquantized():
-    spec = resolve(gemma_like(6), "fp8", ["sw"]).spec
+    spec = resolve(gemma_like(6), BuildRequest("fp8", ["sw"])).spec
     assert dtypes_of(spec) == ["auto", "fp8"] * 3
     assert [g.window for g in spec.groups] == [None, 8]
     assert spec.groups[0].layers == (1, 3, 5) and spec.groups[1].layers == (0, 2, 4)
@@ -28,25 +29,27 @@ def test_gemma_style_skip_sw_keeps_sliding_layers_unquantized():
 
 
 def test_skip_full_and_sliding_window_alias():
-    spec = resolve(gemma_like(6), "int8_per_token_head", ["full"]).spec
+    spec = resolve(gemma_like(6), BuildRequest("int8_per_token_head", ["full"])).spec
     assert quantized(spec) == [0, 2, 4]
-    spec = resolve(gemma_like(6), "int8_per_token_head", ["sliding_window"]).spec
+    spec = resolve(gemma_like(6), BuildRequest("int8_per_token_head", ["sliding_window"])).spec
     assert quantized(spec) == [1, 3, 5]
 
 
 def test_boundary_3_on_30_layer_dense_model():
-    spec = resolve(dense(30), "turboquant_k3v4_nc", ["boundary:3"], boundary=False).spec
+    spec = resolve(
+        dense(30), BuildRequest("turboquant_k3v4_nc", ["boundary:3"], boundary=False)
+    ).spec
     assert quantized(spec) == list(range(3, 27))
     assert spec.layers[0].skipped_by == "--skip-layers boundary:3"
 
 
 def test_default_turboquant_boundary_protects_first_and_last_two():
-    spec = resolve(dense(30), "turboquant_4bit_nc").spec
+    spec = resolve(dense(30), BuildRequest("turboquant_4bit_nc")).spec
     assert quantized(spec) == list(range(2, 28))
     assert spec.layers[29].skipped_by == "turboquant boundary"
-    assert quantized(resolve(dense(30), "turboquant_4bit_nc", boundary=False).spec) == list(
-        range(30)
-    )
+    assert quantized(
+        resolve(dense(30), BuildRequest("turboquant_4bit_nc", boundary=False)).spec
+    ) == list(range(30))
 
 
 def test_vllm_boundary_caps_each_side_at_half_the_layers():
@@ -55,7 +58,7 @@ def test_vllm_boundary_caps_each_side_at_half_the_layers():
     assert turboquant_boundary(8) == {0, 1, 6, 7}
     assert turboquant_boundary(3) == {0, 2}
     assert turboquant_boundary(1) == set()
-    res = resolve(dense(4), "turboquant_k8v4")
+    res = resolve(dense(4), BuildRequest("turboquant_k8v4"))
     assert quantized(res.spec) == []
     assert len(res.warnings) == 1 and "keeps all 4 attention layers unquantized" in res.warnings[0]
 
@@ -64,7 +67,7 @@ def test_native_boundary_protects_at_most_half_the_layers_in_total():
     assert turboquant_boundary(4, vllm=False) == {0, 3}
     assert turboquant_boundary(8, vllm=False) == {0, 1, 6, 7}
     assert turboquant_boundary(3, vllm=False) == set()
-    res = resolve(dense(4), "tqx_k4v4_g32")
+    res = resolve(dense(4), BuildRequest("tqx_k4v4_g32"))
     assert quantized(res.spec) == [1, 2] and res.warnings == ()
 
 
@@ -86,22 +89,22 @@ SMALL_MODELS = {
 def test_boundary_on_small_models(n):
     vllm_q, native_q = SMALL_MODELS[n]
     for name in TQ:
-        res = resolve(dense(n), name)
+        res = resolve(dense(n), BuildRequest(name))
         assert quantized(res.spec) == vllm_q, name
         assert len(res.warnings) == (1 if not vllm_q else 0)
     for name in ("tqx_k4v4_g32", "tqx_k4v3_g32"):
-        res = resolve(dense(n), name)
+        res = resolve(dense(n), BuildRequest(name))
         assert quantized(res.spec) == native_q and res.warnings == ()
-    assert quantized(resolve(dense(n), TQ[1], boundary=False).spec) == list(range(n))
-    assert resolve(dense(n), TQ[1], boundary=False).warnings == ()
+    assert quantized(resolve(dense(n), BuildRequest(TQ[1], boundary=False)).spec) == list(range(n))
+    assert resolve(dense(n), BuildRequest(TQ[1], boundary=False)).warnings == ()
 
 
 def test_boundary_is_turboquant_only():
-    assert quantized(resolve(dense(6), "fp8").spec) == list(range(6))
+    assert quantized(resolve(dense(6), BuildRequest("fp8")).spec) == list(range(6))
 
 
 def test_indices_ranges_negatives_and_commas():
-    spec = resolve(dense(10), "fp8", ["0", "-1,-2", "4-5"]).spec
+    spec = resolve(dense(10), BuildRequest("fp8", ["0", "-1,-2", "4-5"])).spec
     assert quantized(spec) == [1, 2, 3, 6, 7]
     assert spec.layers[9].skipped_by == "--skip-layers -1"
     assert spec.layers[5].skipped_by == "--skip-layers 4-5"
@@ -111,7 +114,7 @@ def test_indices_ranges_negatives_and_commas():
 def test_skipped_layer_is_unquantized_whatever_the_global_dtype(dtype):
     """vLLM seed bug 2: a backend read the global kv dtype, so skipped layers were treated
     as fp8. Here a skipped layer's own spec says NONE with the model dtype."""
-    spec = resolve(dense(6, dtype="float16"), dtype, ["2"], boundary=False).spec
+    spec = resolve(dense(6, dtype="float16"), BuildRequest(dtype, ["2"], boundary=False)).spec
     skipped = spec.layers[2]
     assert skipped.mode is KVQuantMode.NONE
     assert skipped.cache.storage_dtype == "float16"
@@ -122,7 +125,7 @@ def test_skipped_layer_is_unquantized_whatever_the_global_dtype(dtype):
 
 @pytest.mark.parametrize("name", TQ)
 def test_every_turboquant_preset_resolves_to_a_turboquant_slot_cache(name):
-    spec = resolve(dense(8), name).spec
+    spec = resolve(dense(8), BuildRequest(name)).spec
     for la in spec.layers[2:6]:
         assert la.mode is KVQuantMode.TURBOQUANT
         assert la.kv_cache_dtype == name
@@ -147,39 +150,46 @@ def test_every_turboquant_preset_resolves_to_a_turboquant_slot_cache(name):
 )
 def test_bad_patterns_are_errors(patterns, message):
     with pytest.raises(ResolveError, match=message):
-        resolve(dense(10), "fp8", patterns)
+        resolve(dense(10), BuildRequest("fp8", patterns))
 
 
 def test_class_pattern_matching_nothing_is_a_warning():
-    res = resolve(dense(4), "fp8", ["sw"])
+    res = resolve(dense(4), BuildRequest("fp8", ["sw"]))
     assert quantized(res.spec) == [0, 1, 2, 3]
     assert len(res.warnings) == 1 and "no sliding_window layers" in res.warnings[0]
-    res = resolve(describe([8, 8]), "fp8", ["full"])
+    res = resolve(describe([8, 8]), BuildRequest("fp8", ["full"]))
     assert "no full layers" in res.warnings[0]
 
 
 def test_mse_preset_on_non_power_of_two_head_suggests_k8v4():
     desc = dense(4, head_size=80)
     with pytest.raises(ResolveError, match="layer 0 .*power-of-two.*turboquant_k8v4"):
-        resolve(desc, "turboquant_4bit_nc", boundary=False)
-    assert quantized(resolve(desc, "turboquant_k8v4", boundary=False).spec) == [0, 1, 2, 3]
+        resolve(desc, BuildRequest("turboquant_4bit_nc", boundary=False))
+    assert quantized(resolve(desc, BuildRequest("turboquant_k8v4", boundary=False)).spec) == [
+        0,
+        1,
+        2,
+        3,
+    ]
     # Only layers that keep the preset must fit it.
-    assert quantized(resolve(desc, "turboquant_3bit_nc", ["0-3"]).spec) == []
+    assert quantized(resolve(desc, BuildRequest("turboquant_3bit_nc", ["0-3"])).spec) == []
 
 
 def test_unknown_dtype_is_an_error():
     with pytest.raises(Exception, match="valid names"):
-        resolve(dense(2), "int3")
+        resolve(dense(2), BuildRequest("int3"))
 
 
 def test_requested_dtype_is_provenance_only():
-    spec = resolve(dense(6), "fp8_e5m2", ["1"]).spec
-    assert spec.request == {"kv_cache_dtype": "fp8_e5m2", "skip_layers": ["1"], "boundary": True}
+    spec = resolve(dense(6), BuildRequest("fp8_e5m2", ["1"])).spec
+    assert spec.request == BuildRequest("fp8_e5m2", ("1",))
+    recorded = {"kv_cache_dtype": "fp8_e5m2", "skip_layers": ["1"], "boundary": True}
+    assert spec.request.to_dict() == recorded | {"kv_scales": "1.0", "opset": 21}
     assert dtypes_of(spec) == ["fp8_e5m2", "auto", "fp8_e5m2", "fp8_e5m2", "fp8_e5m2", "fp8_e5m2"]
 
 
 def test_kv_scales_apply_per_layer():
-    spec = resolve(dense(3), "fp8", kv_scales={1: (0.5, 2.0)}).spec
+    spec = resolve(dense(3), BuildRequest("fp8"), kv_scales={1: (0.5, 2.0)}).spec
     assert spec.layers[1].cache.constants == {"k_scale": 0.5, "v_scale": 2.0}
     assert spec.layers[0].cache.constants == {"k_scale": 1.0, "v_scale": 1.0}
 

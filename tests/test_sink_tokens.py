@@ -8,11 +8,12 @@ import pytest
 import torch
 from helpers import assert_greedy, assert_same_run, prefill_chunks, serve_on_torch
 
+from tqexport.errors import TQExportError
 from tqexport.models.config import describe_model
 from tqexport.models.loader import load_model
 from tqexport.resolve import ResolveError, resolve
 from tqexport.runtime.blocks import NULL_BLOCK, GroupAllocator
-from tqexport.spec import CacheGroup, ModelSpec, SpecError
+from tqexport.spec import BuildRequest, CacheGroup, ModelSpec, SpecError
 
 TOKENS = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(7)).tolist()
 
@@ -24,13 +25,13 @@ def llama():
 
 def test_spec_records_sinks_per_layer_and_group_and_refuses_what_does_not_fit():
     desc = describe_model("tiny-gemma2", None)  # sliding(8) / full alternating
-    plain = resolve(desc, "fp8", ["0"], recent_window=32).spec
-    assert resolve(desc, "fp8", ["0"], recent_window=32, sink_tokens=0).spec == plain
+    plain = resolve(desc, BuildRequest("fp8", ["0"], recent_window=32)).spec
+    assert resolve(desc, BuildRequest("fp8", ["0"], recent_window=32, sink_tokens=0)).spec == plain
     assert "sink" not in plain.to_json()
-    spec = resolve(desc, "fp8", ["0"], recent_window=32, sink_tokens=4).spec
+    spec = resolve(desc, BuildRequest("fp8", ["0"], recent_window=32, sink_tokens=4)).spec
     assert [la.sink_tokens for la in spec.layers] == [0, 4, 4, 4, 4, 4]
     assert [(g.window, g.sink_tokens) for g in spec.groups if g.recent] == [(8, 4), (32, 4)]
-    assert spec.request["sink_tokens"] == 4 and spec.sink_tokens == 4
+    assert spec.request.sink_tokens == 4 and spec.sink_tokens == 4
     assert spec.graph_io() == plain.graph_io()  # the sinks live in the recent caches
     assert ModelSpec.from_json(spec.to_json()) == spec
     d = json.loads(spec.to_json())
@@ -51,9 +52,9 @@ def test_spec_records_sinks_per_layer_and_group_and_refuses_what_does_not_fit():
     with pytest.raises(SpecError, match="'sink_tokens' needs a recent_window"):
         ModelSpec.from_dict(bad)
     with pytest.raises(ResolveError, match="--kv-sink-tokens 4 needs --kv-recent-window >= 1"):
-        resolve(desc, "fp8", sink_tokens=4)
-    with pytest.raises(ResolveError, match="--kv-sink-tokens must be >= 0"):
-        resolve(desc, "fp8", recent_window=8, sink_tokens=-1)
+        resolve(desc, BuildRequest("fp8", sink_tokens=4))
+    with pytest.raises(TQExportError, match="--kv-sink-tokens must be from 0 to 1024, got -1"):
+        BuildRequest("fp8", recent_window=8, sink_tokens=-1)
 
 
 def test_recent_group_keeps_the_sink_blocks_and_sizes_for_them():
@@ -80,15 +81,17 @@ def test_sinks_and_window_covering_the_context_read_only_full_precision(llama):
     quantized cache, so the logits are the unquantized ones (three segments, summed in another
     order: within 1e-5), for any chunking."""
     desc = llama.description
-    spec = resolve(desc, "turboquant_3bit_nc", boundary=False, recent_window=8,
-                   sink_tokens=32).spec  # fmt: skip
+    spec = resolve(
+        desc, BuildRequest("turboquant_3bit_nc", boundary=False, recent_window=8, sink_tokens=32)
+    ).spec
     whole = prefill_chunks(llama, spec, TOKENS, 40)
-    auto = prefill_chunks(llama, resolve(desc, "auto").spec, TOKENS, 40).logits
+    auto = prefill_chunks(llama, resolve(desc, BuildRequest("auto")).spec, TOKENS, 40).logits
     torch.testing.assert_close(whole.logits, auto, atol=1e-5, rtol=1e-5)
     for chunk in (9, 1):
         assert_same_run(spec, prefill_chunks(llama, spec, TOKENS, chunk), whole)
-    fewer = resolve(desc, "turboquant_3bit_nc", boundary=False, recent_window=8,
-                    sink_tokens=4).spec  # fmt: skip
+    fewer = resolve(
+        desc, BuildRequest("turboquant_3bit_nc", boundary=False, recent_window=8, sink_tokens=4)
+    ).spec
     got = prefill_chunks(llama, fewer, TOKENS, 40).logits
     torch.testing.assert_close(got[:12], auto[:12], atol=1e-5, rtol=1e-5)  # 4 + 8 cover them
     assert (got[12:] - auto[12:]).abs().max() > 1e-3  # later positions read quantized keys
@@ -97,8 +100,10 @@ def test_sinks_and_window_covering_the_context_read_only_full_precision(llama):
 def test_executor_keeps_sink_blocks_through_recycling(llama):
     """Served through the block manager (window blocks recycled, sink blocks kept), a long
     generation equals a prefill of the same tokens with contiguous tables."""
-    spec = resolve(llama.description, "turboquant_4bit_nc", boundary=False, recent_window=8,
-                   sink_tokens=5).spec  # fmt: skip
+    spec = resolve(
+        llama.description,
+        BuildRequest("turboquant_4bit_nc", boundary=False, recent_window=8, sink_tokens=5),
+    ).spec
     ex, seq = serve_on_torch(llama, spec, TOKENS[:20])
     recent_group = next(g.id for g in spec.groups if g.recent)
     assert ex.group_num_blocks[recent_group] == 1 + 2 * (1 + 2 + 1) + 1 < 16

@@ -12,6 +12,7 @@ from tqexport.kvquant.modes import KVQuantMode, kv_cache_dtype_names, quant_mode
 from tqexport.resolve import resolve
 from tqexport.spec import (
     SCHEMA_VERSION,
+    BuildRequest,
     FullAttentionSpec,
     ModelSpec,
     SlidingWindowSpec,
@@ -63,7 +64,7 @@ def test_turboquant_spec_always_has_its_mode():
     """vLLM seed bug 1: a TurboQuant cache spec built without its quant mode (shaped as
     unquantized). Here the mode is derived from the dtype, and a spec file claiming otherwise
     is refused."""
-    spec = resolve(describe([None] * 4), "turboquant_4bit_nc", boundary=False).spec
+    spec = resolve(describe([None] * 4), BuildRequest("turboquant_4bit_nc", boundary=False)).spec
     data = spec.to_dict()
     assert {la["quant_mode"] for la in data["layers"]} == {"TURBOQUANT"}
     bad = json.loads(json.dumps(data))
@@ -77,7 +78,7 @@ def test_turboquant_spec_always_has_its_mode():
 
 
 def test_unknown_schema_version_is_refused():
-    data = resolve(describe([None] * 2), "fp8").spec.to_dict()
+    data = resolve(describe([None] * 2), BuildRequest("fp8")).spec.to_dict()
     data["schema_version"] = SCHEMA_VERSION + 1
     with pytest.raises(SpecError, match=f"schema version {SCHEMA_VERSION + 1}"):
         ModelSpec.from_dict(data)
@@ -89,7 +90,7 @@ def test_unknown_schema_version_is_refused():
 
 
 def test_spec_json_fields():
-    spec = resolve(gemma_like(), "turboquant_k3v4_nc", ["sw"], boundary=False).spec
+    spec = resolve(gemma_like(), BuildRequest("turboquant_k3v4_nc", ["sw"], boundary=False)).spec
     d = json.loads(spec.to_json())
     assert d["schema_version"] == SCHEMA_VERSION
     assert [g["window"] for g in d["groups"]] == [None, 8]
@@ -144,13 +145,15 @@ def model_specs(draw):
     recent = draw(st.sampled_from([0, 0, 8, 32])) if quant_mode_of(dtype).is_quantized else 0
     return resolve(
         desc,
-        dtype,
-        skips,
-        boundary=draw(st.booleans()),
-        block_size=draw(st.sampled_from([1, 16, 32])),
+        BuildRequest(
+            dtype,
+            skips,
+            boundary=draw(st.booleans()),
+            block_size=draw(st.sampled_from([1, 16, 32])),
+            recent_window=recent,
+            sink_tokens=draw(st.sampled_from([0, 4])) if recent else 0,
+        ),
         kv_scales=scales,
-        recent_window=recent,
-        sink_tokens=draw(st.sampled_from([0, 4])) if recent else 0,
     ).spec
 
 
@@ -176,7 +179,7 @@ def test_spec_json_round_trip(spec):
 
 
 def test_cache_tensors_allocate_with_spec_dtypes():
-    spec = resolve(gemma_like(), "int4_per_token_head").spec
+    spec = resolve(gemma_like(), BuildRequest("int4_per_token_head")).spec
     for layer in spec.layers:
         for t in layer.cache.tensors:
             shape = layer.cache.tensor_shapes(4)[t.role]
@@ -189,14 +192,14 @@ def test_cache_tensors_allocate_with_spec_dtypes():
 
 def _artifact_like(kv="fp8", windows=(None, 8, None, 8), **kw):
     """A spec dict as a build writes it (path, kv_scales, opset, io) without building one."""
-    spec = resolve(describe(list(windows)), kv, boundary=False, **kw).spec
+    spec = resolve(describe(list(windows)), BuildRequest(kv, boundary=False, **kw)).spec
     spec = ModelSpec(
         model={**spec.model, "path": "tiny"},
         dtype=spec.dtype,
         block_size=spec.block_size,
         layers=spec.layers,
         groups=spec.groups,
-        request={**spec.request, "kv_scales": "1.0", "opset": 21},
+        request=spec.request,
         io=spec.graph_io(),
     )
     return json.loads(spec.to_json())
@@ -395,7 +398,9 @@ def test_head_size_bound_is_checked_before_any_table_is_built():
 
 def test_layers_with_the_same_cache_share_one_codec():
     """A TurboQuant codec holds a D x D rotation: 1024 identical layers must not hold 1024."""
-    spec = resolve(describe([None] * 6, head_size=128), "turboquant_4bit_nc", boundary=False).spec
+    spec = resolve(
+        describe([None] * 6, head_size=128), BuildRequest("turboquant_4bit_nc", boundary=False)
+    ).spec
     assert len({id(la.cache.codec) for la in spec.layers}) == 1
 
 
@@ -403,6 +408,6 @@ def test_build_time_bounds_match_the_loader():
     """resolve refuses what the loader would refuse, so a build never writes an unloadable
     spec (kv heads, windows: each bound lives once, in tqexport.spec / the codecs)."""
     with pytest.raises(TQExportError, match=r"num_kv_heads must be an integer in 1\.\.1024"):
-        resolve(describe([None], kv_heads=2048), "fp8")
+        resolve(describe([None], kv_heads=2048), BuildRequest("fp8"))
     with pytest.raises(TQExportError, match=r"sliding_window must be an integer in 1\.\."):
-        resolve(describe([2**30]), "fp8")
+        resolve(describe([2**30]), BuildRequest("fp8"))

@@ -22,10 +22,10 @@ import pytest
 from tqexport.contract.artifact import open_artifact
 from tqexport.contract.files import SPEC_METADATA_KEY
 from tqexport.errors import TQExportError
-from tqexport.export.artifact import BuildOptions, resolve_spec
+from tqexport.export.artifact import resolve_spec
 from tqexport.models.config import describe_model
 from tqexport.resolve import resolve
-from tqexport.spec import ModelSpec, SpecError
+from tqexport.spec import BuildRequest, ModelSpec, SpecError
 
 SEED = 13
 MUTATIONS_PER_BASE = 150
@@ -57,9 +57,12 @@ def bases(artifacts):
     layers and no io section (resolve alone)."""
     fp8 = (artifacts("tiny-llama", "fp8") / "tqexport.json").read_bytes()
     lm = types.SimpleNamespace(description=describe_model("tiny-llama"))
-    opts = BuildOptions(kv_cache_dtype="turboquant_4bit_nc", boundary=False, recent_window=8)
+    opts = BuildRequest(kv_cache_dtype="turboquant_4bit_nc", boundary=False, recent_window=8)
     tq = resolve_spec("tiny-llama", lm, opts)[0]
-    gemma = resolve(describe_model("tiny-gemma2"), "turboquant_k8v4", ["0", "-1"], recent_window=32)
+    gemma = resolve(
+        describe_model("tiny-gemma2"),
+        BuildRequest("turboquant_k8v4", ["0", "-1"], recent_window=32),
+    )
     return {
         "fp8": fp8,
         "tq-recent": tq.to_json().encode(),

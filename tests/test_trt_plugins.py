@@ -52,9 +52,14 @@ def plans(name, **kw):
 def test_declared_attributes_are_exactly_what_the_nodes_carry(recent, sink):
     from tqexport.models.config import describe_model
     from tqexport.resolve import resolve
+    from tqexport.spec import BuildRequest
 
-    spec = resolve(describe_model("tiny-llama"), "turboquant_4bit_nc", ["0"],
-                   boundary=False, recent_window=recent, sink_tokens=sink).spec  # fmt: skip
+    spec = resolve(
+        describe_model("tiny-llama"),
+        BuildRequest(
+            "turboquant_4bit_nc", ["0"], boundary=False, recent_window=recent, sink_tokens=sink
+        ),
+    ).spec
     layer = spec.layers[1]
     nodes = [(CACHE_WRITE, False), (PAGED_ATTENTION, False)] + [(CACHE_WRITE, True)] * bool(recent)
     for op, into_recent in nodes:
@@ -182,8 +187,11 @@ def test_wrong_arity_and_engine_check_refuse_in_one_line():
     from tqexport.export.trt import check_layers
     from tqexport.models.config import describe_model
     from tqexport.resolve import resolve
+    from tqexport.spec import BuildRequest
 
-    spec = resolve(describe_model("tiny-llama", None), "int4_per_token_head", ["0"]).spec
+    spec = resolve(
+        describe_model("tiny-llama", None), BuildRequest("int4_per_token_head", ["0"])
+    ).spec
     with pytest.raises(TQExportError) as e:
         check_layers(spec)
     assert "layer 1: kv-cache dtype int4_per_token_head" in str(e.value)

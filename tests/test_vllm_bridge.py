@@ -7,13 +7,14 @@ import pytest
 from helpers import dense, gemma_like, main_inproc
 
 from tqexport.resolve import resolve
+from tqexport.spec import BuildRequest
 from tqexport.vllm_bridge import vllm_args
 
 BASE = ("--dtype", "bfloat16")
 
 
 def flags(desc, dtype, skip=(), **kw):
-    return vllm_args(resolve(desc, dtype, list(skip), **kw).spec)
+    return vllm_args(resolve(desc, BuildRequest(dtype, tuple(skip), **kw)).spec)
 
 
 def test_one_dtype_everywhere_is_one_flag():

@@ -232,6 +232,7 @@ def measure(
     from tqexport.metrics import Totals
     from tqexport.models.loader import load_model
     from tqexport.resolve import resolve
+    from tqexport.spec import BuildRequest
 
     start = time.monotonic()
     if text_file is not None:
@@ -245,7 +246,7 @@ def measure(
     if lm.tokenizer is not None:
         ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
     else:  # a tiny random built-in: its bytes, as the key transforms' calibration reads them
-        ids = _tokens(lm, resolve(lm.description, "auto").spec, text, tokens)
+        ids = _tokens(lm, resolve(lm.description, BuildRequest()).spec, text, tokens)
     if len(ids) < 2:
         raise TQExportError(f"the calibration text has {len(ids)} tokens; give a longer one")
     sim = LayerSimulation(lm, ids)

@@ -8,6 +8,7 @@ markup and no emoji codes, and control characters are shown escaped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -43,6 +44,8 @@ from tqexport.options import (
 )
 from tqexport.runtime.config import EngineConfig
 from tqexport.safe_files import check_output_file
+from tqexport.spec import BuildRequest
+from tqexport.spec.request import DEFAULT_KV_SCALES, DEFAULT_OPSET, MAX_BUILD_OPSET
 from tqexport.validate import DEFAULT_BLOCK_SIZE, printable
 
 try:  # typer >= 0.16 vendors click
@@ -101,21 +104,33 @@ def dtypes(
         console.print(printable(note))
 
 
-def _check_cache_options(ctx: typer.Context, kv_cache_dtype: str) -> None:
-    """plan's and build's options that a kv dtype ignores: --boundary / --no-boundary
-    (TurboQuant only), --skip-layers (auto keeps every layer unquantized already)."""
-    from tqexport.kvquant.modes import parse_kv_cache_dtype
+#: plan's and build's options whose explicit use BuildRequest.check_given judges
+_GIVEN_RULES = ("boundary", "kv_scales")
 
-    if given(ctx, "boundary") and not parse_kv_cache_dtype(kv_cache_dtype).is_turboquant:
-        flag = "--boundary" if ctx.params["boundary"] else "--no-boundary"
-        raise TQExportError(
-            f"{flag} has no effect: --kv-cache-dtype {kv_cache_dtype} is not TurboQuant; drop it"
-        )
-    if ctx.params["skip_layers"] and kv_cache_dtype == "auto":
-        raise TQExportError(
-            "--skip-layers has no effect with --kv-cache-dtype auto (no layer is quantized); "
-            "give a quantized dtype or drop it"
-        )
+
+def _build_request(ctx: typer.Context, model: str, **fields) -> BuildRequest:
+    """plan's and build's options as one checked request (``--kv-bits`` chooses its
+    ``--kv-layers``, after the cheap checks); options given to no effect are refused."""
+    p = ctx.params
+    request = BuildRequest(
+        kv_cache_dtype=p["kv_cache_dtype"],
+        skip_layers=tuple(p["skip_layers"] or ()),
+        boundary=p["boundary"],
+        block_size=p["block_size"],
+        recent_window=p["recent_window"],
+        sink_tokens=p["sink_tokens"],
+        key_transform=p["key_transform"],
+        kv_layers=p["kv_layers"],
+        **fields,
+    )
+    rules = [name for name in _GIVEN_RULES if name in p and given(ctx, name)]
+    budget = p["kv_bits"] is not None
+    request.check_given([r for r in rules if not (budget and r == "kv_scales")])
+    kv_layers = _budget_layers(ctx, model, request.dtype)
+    if budget:
+        request = dataclasses.replace(request, kv_layers=kv_layers)
+        request.check_given(rules)
+    return request
 
 
 def _budget_layers(ctx: typer.Context, model: str, dtype: str | None) -> str | None:
@@ -197,25 +212,16 @@ def plan(
 ):
     """Print the per-layer cache plan of MODEL from its config alone (no weights loaded)."""
     from tqexport.kv_layers import covered, parse_kv_layers
-    from tqexport.kvquant.transforms import key_transform_label, parse_key_transform
     from tqexport.models.config import describe_model
     from tqexport.resolve import resolve
     from tqexport.spec import recent_label
 
     if as_json and vllm_args:
         raise TQExportError("--json and --vllm-args each choose what is printed; give one")
-    validate.block_size(block_size)
-    validate.recent_window(recent_window)
-    validate.sink_tokens(sink_tokens)
-    _check_cache_options(ctx, kv_cache_dtype)
-    kinds = parse_key_transform(key_transform)
-    kv_layers = _budget_layers(ctx, model, dtype)
+    request = _build_request(ctx, model, dtype=dtype)
+    kv_layers, kinds = request.kv_layers, request.key_transform
     desc = describe_model(model, dtype)
-    res = resolve(
-        desc, kv_cache_dtype, skip_layers or [], boundary=boundary, block_size=block_size,
-        recent_window=recent_window, sink_tokens=sink_tokens, key_transform=kinds,
-        kv_layers=kv_layers,
-    )  # fmt: skip
+    res = resolve(desc, request)
     for w in res.warnings:
         _warn(w)
     spec = res.spec
@@ -229,7 +235,7 @@ def plan(
     t = Table(
         title=printable(
             f"{desc.name} ({desc.architecture}, {desc.dtype}): --kv-cache-dtype {kv_cache_dtype}"
-            + (f" --kv-layers {spec.request['kv_layers']}" if kv_layers else "")
+            + (f" --kv-layers {request.kv_layers}" if kv_layers else "")
         )
     )
     for col in (
@@ -246,7 +252,7 @@ def plan(
         "why unquantized",
     ):
         t.add_column(col)
-    keys = key_transform_label(kinds)
+    keys = request.key_transform_label
     for pos, la in enumerate(spec.layers):
         why = la.skipped_by or ""
         if pos in own and not la.mode.is_quantized:
@@ -299,14 +305,16 @@ def build(
         str | None,
         typer.Option(help="float32 | float16 | bfloat16 (bf16 is a GPU target). Default: float32."),
     ] = None,
-    opset: Annotated[int, typer.Option(help="ONNX opset (21..23).")] = 21,
+    opset: Annotated[
+        int, typer.Option(help=f"ONNX opset ({DEFAULT_OPSET}..{MAX_BUILD_OPSET}).")
+    ] = DEFAULT_OPSET,
     force: Annotated[bool, typer.Option(help="Replace an existing artifact directory.")] = False,
     kv_scales: Annotated[
         str,
         typer.Option(
             help="fp8/nvfp4 per-layer scales: a number (1.0, vLLM's default) or calibrate."
         ),
-    ] = "1.0",
+    ] = DEFAULT_KV_SCALES,
     calibration_text: Annotated[
         Path | None,
         typer.Option(
@@ -316,53 +324,17 @@ def build(
     ] = None,
 ):
     """Export MODEL with per-layer KV caches: model.onnx + tqexport.json + tokenizer."""
-    from tqexport.export.artifact import BuildOptions, build_artifact, parse_kv_scales
-    from tqexport.kv_layers import parse_kv_layers
-    from tqexport.kvquant.modes import parse_kv_cache_dtype
-    from tqexport.kvquant.transforms import parse_key_transform
+    from tqexport.export.artifact import build_artifact
 
-    if not 21 <= opset <= 23:
-        raise TQExportError(f"--opset must be 21..23 (fp8 casts need 21+), got {opset}")
-    validate.block_size(block_size)
-    validate.recent_window(recent_window)
-    validate.sink_tokens(sink_tokens)
-    parse_kv_scales(kv_scales)
-    parse_key_transform(key_transform)
-    _check_cache_options(ctx, kv_cache_dtype)
-    if dtype is not None:
-        validate.choice(dtype, "--dtype", ("float32", "float16", "bfloat16"))
-    kv_layers = _budget_layers(ctx, model, dtype)
-    names = [kv_cache_dtype, *(r.dtype for r in parse_kv_layers(kv_layers or "0:auto"))]
-    if given(ctx, "kv_scales") and not any(
-        parse_kv_cache_dtype(n).mode.uses_layer_scales for n in names
-    ):
-        where = f"--kv-cache-dtype {kv_cache_dtype}" + (" nor --kv-layers" if kv_layers else "")
-        raise TQExportError(
-            f"--kv-scales {kv_scales} has no effect: {where} has no per-layer scales (fp8 and "
-            "nvfp4 have); drop it"
-        )
-    options = BuildOptions(
-        kv_cache_dtype=kv_cache_dtype,
-        skip_layers=skip_layers or [],
-        boundary=boundary,
-        block_size=block_size,
-        recent_window=recent_window,
-        sink_tokens=sink_tokens,
-        dtype=dtype or "float32",
-        opset=opset,
-        force=force,
-        kv_scales=kv_scales,
-        calibration_text=calibration_text,
-        key_transform=key_transform,
-        kv_layers=kv_layers,
-    )
+    request = _build_request(ctx, model, dtype=dtype or "float32", opset=opset,
+                             kv_scales=kv_scales, calibration_text=calibration_text)  # fmt: skip
     labels = {
         "load": "loading weights",
         "calibrate": "calibrating",
         "export": "exporting ONNX",
         "save": "saving",
     }
-    result = run_in_stages(labels, lambda stage: build_artifact(model, out, options, stage))
+    result = run_in_stages(labels, lambda stage: build_artifact(model, out, request, stage, force))
     for w in result.warnings:
         _warn(w)
     if result.replaced:

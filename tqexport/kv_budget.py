@@ -31,12 +31,13 @@ class Choice:
 def candidate_bits(desc, candidates) -> list[list[Fraction]]:
     """[layer][candidate] bits per token, exact; candidate 0 is ``auto``."""
     from tqexport.resolve import resolve
+    from tqexport.spec import BuildRequest
     from tqexport.storage_bits import layer_bits
 
     last = len(desc.layers) - 1
     out = [[] for _ in desc.layers]
     for c in (UNQUANTIZED, *candidates):
-        spec = resolve(desc, "auto", kv_layers=f"0-{last}:{c}").spec
+        spec = resolve(desc, BuildRequest(kv_layers=f"0-{last}:{c}")).spec
         for pos, la in enumerate(spec.layers):
             out[pos].append(layer_bits(spec, la, 16))
     return out

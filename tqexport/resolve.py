@@ -9,24 +9,23 @@ Skip patterns (repeatable or comma-separated), layer = attention-layer index:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tqexport.errors import ResolveError, TQExportError
 from tqexport.kv_layers import OPTION as KV_LAYERS
-from tqexport.kv_layers import canonical, covered, layer_recent, parse_kv_layers, spans
+from tqexport.kv_layers import covered, layer_recent, parse_kv_layers, spans
 from tqexport.kvquant.modes import parse_kv_cache_dtype
 from tqexport.kvquant.transforms import KeyTransform, key_transform_label, refusal
 from tqexport.skip_layers import parse_skip_patterns
 from tqexport.spec import (
     AttentionType,
+    BuildRequest,
     LayerSpec,
     ModelSpec,
     build_groups,
     cache_spec,
     recent_spec,
 )
-from tqexport.validate import DEFAULT_BLOCK_SIZE
 
 UNQUANTIZED = "auto"
 #: vLLM protects the first and last 2 attention layers of dense models for every TurboQuant preset
@@ -107,41 +106,28 @@ class Resolution:
 
 def resolve(
     model: ModelDescription,
-    kv_cache_dtype: str,
-    skip_layers: Sequence[str] = (),
+    request: BuildRequest,
     *,
-    boundary: bool = True,
-    block_size: int = DEFAULT_BLOCK_SIZE,
     kv_scales: dict[int, tuple[float, float]] | None = None,
-    recent_window: int = 0,
-    sink_tokens: int = 0,
-    key_transform: tuple[str, ...] = (),
     key_transforms: dict[int, KeyTransform] | None = None,
-    kv_layers: str | None = None,
 ) -> Resolution:
-    """Decide every layer's cache. ``boundary`` turns TurboQuant boundary protection on/off;
-    ``kv_scales`` maps layer index -> (k_scale, v_scale) for fp8/nvfp4 layers (default 1.0);
-    ``recent_window`` N > 0 also keeps the last N tokens of every quantized layer in the model
-    dtype (a sliding layer keeps at most its own window), and ``sink_tokens`` S > 0 the first
-    S tokens of every sequence there as well. ``key_transform`` names the kinds of
-    exact key transform every quantized layer takes (checked here; with ``kv_layers``, every
-    ``tqx_*`` layer, the others keeping plain keys); ``key_transforms`` holds
-    them per layer index once fitted (None: checked only, e.g. before weights load).
-    ``kv_layers`` (the ``--kv-layers`` grammar, :mod:`tqexport.kv_layers`) gives ranges of
-    layers their own dtype, window and sinks; the others get all of the above."""
+    """Decide every layer's cache for ``request`` (its fields: :class:`BuildRequest`); the spec
+    records the request. ``boundary`` turns TurboQuant boundary protection on/off; a recent
+    window N > 0 also keeps the last N tokens of every quantized layer in the model dtype (a
+    sliding layer keeps at most its own window), and S sink tokens the first S tokens of every
+    sequence there as well. The key transform names the kinds of exact key transform every
+    quantized layer takes (checked here; with ``kv_layers``, every ``tqx_*`` layer, the others
+    keeping plain keys). ``kv_layers`` (the ``--kv-layers`` grammar, :mod:`tqexport.kv_layers`)
+    gives ranges of layers their own dtype, window and sinks; the others get all of the above.
+    Fitted values come beside the request: ``kv_scales`` maps layer index -> (k_scale,
+    v_scale) for fp8/nvfp4 layers (default 1.0), ``key_transforms`` the fitted transforms per
+    layer index (None: checked only, e.g. before weights load)."""
+    kv_cache_dtype, skip_layers = request.kv_cache_dtype, request.skip_layers
+    boundary, block_size = request.boundary, request.block_size
+    recent_window, sink_tokens = request.recent_window, request.sink_tokens
+    key_transform, kv_layers = request.key_transform, request.kv_layers
     entry = parse_kv_cache_dtype(kv_cache_dtype)
     ranges = parse_kv_layers(kv_layers) if kv_layers is not None else ()
-    if block_size <= 0:
-        raise ResolveError(f"--block-size must be positive, got {block_size}")
-    if recent_window < 0:
-        raise ResolveError(f"--kv-recent-window must be >= 0, got {recent_window}")
-    if sink_tokens < 0:
-        raise ResolveError(f"--kv-sink-tokens must be >= 0, got {sink_tokens}")
-    if sink_tokens and not recent_window:
-        raise ResolveError(
-            f"--kv-sink-tokens {sink_tokens} needs --kv-recent-window >= 1: the sink tokens are "
-            "kept in the recent-window cache"
-        )
     layers = model.layers
     if not layers:
         raise ResolveError(f"model {model.name!r} has no attention layers")
@@ -239,15 +225,7 @@ def resolve(
         block_size=block_size,
         layers=tuple(specs),
         groups=groups,
-        request={
-            "kv_cache_dtype": kv_cache_dtype,
-            "skip_layers": list(skip_layers),
-            "boundary": boundary,
-        }
-        | ({"recent_window": recent_window} if recent_window else {})
-        | ({"sink_tokens": sink_tokens} if sink_tokens else {})
-        | ({"key_transform": key_transform_label(key_transform)} if key_transform else {})
-        | ({"kv_layers": canonical(ranges)} if ranges else {}),
+        request=request,
     )
     return Resolution(spec, tuple(warnings))
 

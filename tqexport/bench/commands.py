@@ -16,6 +16,7 @@ from tqexport.console import console, err, progress
 from tqexport.errors import TQExportError
 from tqexport.options import CalibrationOption, Command, SkipOption, given
 from tqexport.runtime.config import DEFAULT_KV_CACHE_MEMORY
+from tqexport.spec import BuildRequest
 from tqexport.validate import printable
 
 bench_app = typer.Typer(
@@ -113,10 +114,10 @@ def bench_quality(
         kv_layers,
     )
     if kv_layers and not matrix.is_artifact(target):
-        from tqexport.export.artifact import check_options
+        from tqexport.export.artifact import check_request
 
         for c in configs:  # resolved from the config alone: nothing loads for a bad range
-            check_options(target, c.build_options())
+            check_request(target, c.request)
     if kv_bits is not None:
         others = {
             "--kv-layers": kv_layers, "--kv-cache-dtype": kv_cache_dtype,
@@ -142,7 +143,7 @@ def _budget_configs(target, kv_bits, calibration, others: dict, key_transform: s
     option the budget would override to whether it was given."""
     from tqexport import kv_budget
     from tqexport.bench.quality import Config
-    from tqexport.kvquant.transforms import key_transform_label, parse_key_transform
+    from tqexport.kvquant.transforms import parse_key_transform
     from tqexport.models.config import describe_model
 
     kv_budget.conflicts(kv_bits, {flag: bool(v) for flag, v in others.items()})
@@ -161,9 +162,8 @@ def _budget_configs(target, kv_bits, calibration, others: dict, key_transform: s
         choice, _ = kv_budget.budget_plan(target, desc, b, calibration, _say, kinds)
         _say(f"--kv-bits {b:g}: --kv-layers {choice.kv_layers} "
              f"({float(choice.bits_per_element):.4f} bits per element)")  # fmt: skip
-        configs.append(Config("auto", kv_layers=choice.kv_layers, kv_bits=b,
-                              predicted_kl=choice.predicted_cost,
-                              key_transform=key_transform_label(kinds)))  # fmt: skip
+        request = BuildRequest(kv_layers=choice.kv_layers, key_transform=kinds)
+        configs.append(Config(request, kv_bits=b, predicted_kl=choice.predicted_cost))
     return configs
 
 

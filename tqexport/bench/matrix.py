@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tqexport import validate
 from tqexport.errors import TQExportError
+from tqexport.spec import BuildRequest, parse_kv_scales
 
 #: every kv dtype a quality run covers by default (aliases and 16-bit stores left out)
 BENCH_DTYPES = (
@@ -59,7 +60,6 @@ def quality_configs(
     comma-separated ``key_transforms``. Each of ``kv_layers`` (one ``--kv-layers`` value each)
     is one configuration instead, its left-out layers at the one ``--kv-cache-dtype`` (auto)."""
     from tqexport.bench.quality import Config
-    from tqexport.export.artifact import parse_kv_scales
     from tqexport.kvquant.modes import parse_kv_cache_dtype
     from tqexport.kvquant.transforms import key_transform_label, parse_key_transform
 
@@ -92,7 +92,15 @@ def quality_configs(
         for b in flags if entry.is_turboquant else [True]:
             configs += [
                 Config(
-                    n, b, skip, recent_window=w, sink_tokens=s, kv_scales=kv_scales, key_transform=t
+                    BuildRequest(
+                        n,
+                        skip,
+                        b,
+                        recent_window=w,
+                        sink_tokens=s,
+                        kv_scales=kv_scales,
+                        key_transform=t,
+                    )
                 )  # fmt: skip
                 for w in (windows if entry.mode.is_quantized else [0])
                 for s in (sink_counts if w else [0])
@@ -117,7 +125,11 @@ def _layer_configs(kv_layers, dtypes, boundary, skip, windows, sink_counts, kv_s
         parse_kv_layers(spec)
     fixed = dict(skip_layers=skip, kv_scales=kv_scales, boundary=boundary != "off")
     return [
-        Config(names[0], recent_window=w, sink_tokens=s, key_transform=t, kv_layers=spec, **fixed)
+        Config(
+            BuildRequest(
+                names[0], recent_window=w, sink_tokens=s, key_transform=t, kv_layers=spec, **fixed
+            )
+        )  # fmt: skip
         for spec in kv_layers
         for w in windows
         for s in (sink_counts if w else [0])
@@ -222,7 +234,7 @@ def plan_speed(target, dtypes, contexts, batches, steps, budget, workdir, recent
     if is_artifact(target):
         art = open_artifact(target)
         check_speed_memory(art.spec, str(target), ctx, bat, steps)
-        name = art.spec.request["kv_cache_dtype"]
+        name = (art.spec.request or BuildRequest()).kv_cache_dtype
         speed.run_kernels(asked, {name: art.spec})
 
         def build(say: Say) -> dict:
@@ -241,7 +253,7 @@ def plan_speed(target, dtypes, contexts, batches, steps, budget, workdir, recent
             for w in windows if parse_kv_cache_dtype(n).mode.is_quantized else [0]:
                 label = f"{n} recent {w}" if w else n
                 plans[label] = (n, w)
-                specs[label] = resolve(desc, n, [], recent_window=w).spec
+                specs[label] = resolve(desc, BuildRequest(n, recent_window=w)).spec
                 check_speed_memory(specs[label], label, ctx, bat, steps)
         speed.run_kernels(asked, specs)
 

@@ -18,56 +18,47 @@ from pathlib import Path
 from tqexport.bench.evaltext import EvalText, chunk_tokens
 from tqexport.contract.artifact import Artifact, open_artifact
 from tqexport.errors import TQExportError
-from tqexport.export.artifact import BuildOptions, resolve_spec
+from tqexport.export.artifact import resolve_spec
 from tqexport.kvquant.modes import parse_kv_cache_dtype
 from tqexport.metrics import Baseline, Totals
 from tqexport.runtime.executor import Executor
-from tqexport.spec import ModelSpec
+from tqexport.spec import BuildRequest, ModelSpec
+from tqexport.spec.request import DEFAULT_KV_SCALES
 from tqexport.storage_bits import bits_per_element
 
 
 @dataclass(frozen=True)
 class Config:
-    """One kv-cache configuration of the model."""
+    """One kv-cache configuration of the model: the build request giving its spec, and for a
+    ``--kv-bits`` plan the budget that chose it and the cost the calibration table predicts."""
 
-    kv_cache_dtype: str
-    boundary: bool = True
-    skip_layers: tuple[str, ...] = ()
-    recent_window: int = 0
-    sink_tokens: int = 0
-    kv_scales: str = "1.0"  # fp8/nvfp4 per-layer scales: a number, or "calibrate"
-    key_transform: str = "none"  # exact key transforms (kvquant.transforms), kinds joined by +
-    kv_layers: str | None = None  # per-layer caches (tqexport.kv_layers); others: kv_cache_dtype
-    kv_bits: float | None = None  # the --kv-bits budget that chose kv_layers
-    predicted_kl: float | None = None  # what the calibration table predicts for kv_layers
+    request: BuildRequest
+    kv_bits: float | None = None
+    predicted_kl: float | None = None
 
     @property
     def label(self) -> str:
-        extra = (
-            []
-            if self.boundary or not parse_kv_cache_dtype(self.kv_cache_dtype).is_turboquant
-            else ["no-boundary"]
-        )
-        extra += [f"skip {','.join(self.skip_layers)}"] if self.skip_layers else []
-        extra += [f"recent {self.recent_window}"] if self.recent_window else []
-        extra += [f"sink {self.sink_tokens}"] if self.sink_tokens else []
-        extra += [f"scales {self.kv_scales}"] if self.kv_scales != "1.0" else []
-        extra += [f"keys {self.key_transform}"] if self.key_transform != "none" else []
+        r = self.request
+        keys = [f"keys {r.key_transform_label}"] if r.key_transform else []
         if self.kv_bits is not None:
-            keys = [f"keys {self.key_transform}"] if self.key_transform != "none" else []
             return " ".join([f"kv-bits {self.kv_bits:g}", *keys])
-        if self.kv_layers:
-            return " ".join([f"layers {self.kv_layers}", *extra] + [f"rest {self.kv_cache_dtype}"]
-                            * (self.kv_cache_dtype != "auto"))  # fmt: skip
-        return " ".join([self.kv_cache_dtype, *extra])
+        tq = parse_kv_cache_dtype(r.kv_cache_dtype).is_turboquant
+        extra = [] if r.boundary or not tq else ["no-boundary"]
+        extra += [f"skip {','.join(r.skip_layers)}"] if r.skip_layers else []
+        extra += [f"recent {r.recent_window}"] if r.recent_window else []
+        extra += [f"sink {r.sink_tokens}"] if r.sink_tokens else []
+        extra += [f"scales {r.kv_scales}"] if r.kv_scales != DEFAULT_KV_SCALES else []
+        extra += keys
+        if r.kv_layers:
+            return " ".join([f"layers {r.kv_layers}", *extra] + [f"rest {r.kv_cache_dtype}"]
+                            * (r.kv_cache_dtype != "auto"))  # fmt: skip
+        return " ".join([r.kv_cache_dtype, *extra])
 
-    def build_options(self) -> BuildOptions:
-        """The build options giving this configuration's spec."""
-        return BuildOptions(
-            self.kv_cache_dtype, list(self.skip_layers), self.boundary,
-            recent_window=self.recent_window, sink_tokens=self.sink_tokens,
-            kv_scales=self.kv_scales, key_transform=self.key_transform, kv_layers=self.kv_layers,
-        )  # fmt: skip
+    @property
+    def is_baseline(self) -> bool:
+        """Whether this is the unquantized configuration every run is compared with."""
+        r = self.request
+        return r.kv_cache_dtype == "auto" and not r.skip_layers and not r.kv_layers
 
 
 @dataclass
@@ -82,15 +73,16 @@ class Run:
 
     def result(self) -> dict:
         quantized = sorted({la.kv_cache_dtype for la in self.spec.layers} - {"auto"})
+        request = self.spec.request or BuildRequest()
         return {
-            "label": self.config.label if self.config else self.spec.request["kv_cache_dtype"],
-            "kv_cache_dtype": self.spec.request["kv_cache_dtype"],
-            "boundary": self.spec.request.get("boundary", True),
-            "skip_layers": list(self.spec.request.get("skip_layers", [])),
+            "label": self.config.label if self.config else request.kv_cache_dtype,
+            "kv_cache_dtype": request.kv_cache_dtype,
+            "boundary": request.boundary,
+            "skip_layers": list(request.skip_layers),
             "recent_window": self.spec.recent_window,
             "sink_tokens": self.spec.sink_tokens,
-            "key_transform": self.spec.request.get("key_transform", "none"),
-            "kv_layers": self.spec.request.get("kv_layers"),
+            "key_transform": request.key_transform_label,
+            "kv_layers": request.kv_layers,
             **(
                 {"kv_bits": self.config.kv_bits, "predicted_kl": self.config.predicted_kl}
                 if self.config and self.config.kv_bits is not None
@@ -173,15 +165,16 @@ def evaluate(
         )
     tokens = tok(text.text, add_special_tokens=False)["input_ids"]
     chunks = chunk_tokens(tokens, chunk, max_chunks)
-    base_spec, _ = resolve_spec(model_name, lm, BuildOptions(kv_cache_dtype="auto"))
-    base = Run(Config("auto"), base_spec, _executor(base_spec, "torch", chunk, lm=lm), "torch")
+    base_spec, _ = resolve_spec(model_name, lm, BuildRequest())
+    base_run = _executor(base_spec, "torch", chunk, lm=lm)
+    base = Run(Config(BuildRequest()), base_spec, base_run, "torch")
     runs = []
     if is_dir:
         runs.append(Run(None, art.spec, _executor(art.spec, "ort", chunk, art.path), "ort"))
     for c in configs:
-        if c.kv_cache_dtype == "auto" and not c.skip_layers and not c.kv_layers:
-            continue  # the baseline itself
-        spec, _ = resolve_spec(model_name, lm, c.build_options())
+        if c.is_baseline:
+            continue
+        spec, _ = resolve_spec(model_name, lm, c.request)
         runs.append(Run(c, spec, _executor(spec, "torch", chunk, lm=lm), "torch"))
     for i, ids in enumerate(chunks):
         _score_chunk(ids, base, runs)

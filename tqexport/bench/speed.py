@@ -25,19 +25,19 @@ from tqexport.errors import TQExportError
 from tqexport.runtime.backends.ort import OrtBackend, session_summary
 from tqexport.runtime.config import DEFAULT_KV_CACHE_MEMORY
 from tqexport.runtime.memory import parse_memory, resolve_num_blocks
+from tqexport.spec import BuildRequest
 
 
 def artifact_for(model: str, kv_cache_dtype: str, workdir: Path, recent_window: int = 0):
     """The artifact of MODEL at this kv dtype (and recent window), built into ``workdir`` once
     and then reused."""
-    from tqexport.export.artifact import BuildOptions, build_artifact
+    from tqexport.export.artifact import build_artifact
 
     suffix = f"-recent{recent_window}" if recent_window else ""
     out = workdir / f"{Path(model).name}-{kv_cache_dtype}{suffix}"
     if not (out / "tqexport.json").is_file():
         workdir.mkdir(parents=True, exist_ok=True)
-        opts = BuildOptions(kv_cache_dtype=kv_cache_dtype, recent_window=recent_window)
-        build_artifact(model, out, opts)
+        build_artifact(model, out, BuildRequest(kv_cache_dtype, recent_window=recent_window))
     return open_artifact(out)
 
 

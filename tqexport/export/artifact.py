@@ -10,9 +10,10 @@ staging sibling that is swapped in at the end, so a failed build leaves nothing 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,34 +23,16 @@ import torch
 from tqexport import validate
 from tqexport.contract.files import MODEL_FILE, SPEC_FILE, WEIGHTS_FILE, write_manifest
 from tqexport.errors import TQExportError
-from tqexport.export.onnx import DEFAULT_OPSET, export_model
+from tqexport.export.onnx import export_model
 from tqexport.export.outdir import Staging, check_target
 from tqexport.kvquant import transforms
 from tqexport.models.config import describe_model
 from tqexport.models.loader import LoadedModel, load_model
 from tqexport.resolve import resolve
-from tqexport.spec import ModelSpec
-from tqexport.validate import DEFAULT_BLOCK_SIZE
+from tqexport.spec import BuildRequest, ModelSpec
 
 #: vLLM's calculate_kv_scales: k_scale = max|k| / 200, v_scale = max|v| / 100.
 K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
-
-
-@dataclass
-class BuildOptions:
-    kv_cache_dtype: str = "auto"
-    skip_layers: Sequence[str] = ()
-    boundary: bool = True
-    block_size: int = DEFAULT_BLOCK_SIZE
-    recent_window: int = 0
-    sink_tokens: int = 0  # the first N tokens, kept in the recent-window cache
-    dtype: str | None = None
-    opset: int = DEFAULT_OPSET
-    force: bool = False
-    kv_scales: str = "1.0"  # a number, or "calibrate"
-    calibration_text: Path | None = None
-    key_transform: str = transforms.NONE  # kinds joined by "+", see kvquant.transforms
-    kv_layers: str | None = None  # per-layer caches, see tqexport.kv_layers
 
 
 @dataclass
@@ -63,18 +46,6 @@ class BuildResult:
     @property
     def size_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.out_dir.iterdir() if p.is_file())
-
-
-def parse_kv_scales(value: str) -> float | None:
-    if value == "calibrate":
-        return None
-    try:
-        scale = float(value)
-    except ValueError:
-        raise TQExportError(f"--kv-scales must be a number or 'calibrate', got {value!r}") from None
-    if not 0 < scale < float("inf"):  # also refuses nan: tqexport.json must stay JSON
-        raise TQExportError(f"--kv-scales must be a positive finite number, got {value}")
-    return scale
 
 
 def held_out_calibration_text(min_chars: int = 24000) -> str:
@@ -126,7 +97,7 @@ def key_statistics(
     key = (hashlib.sha256(text.encode()).hexdigest(), max_tokens, window)
     cached = _KEY_STATS.setdefault(lm.model, {})
     if key not in cached:
-        plain = resolve(lm.description, "auto").spec
+        plain = resolve(lm.description, BuildRequest()).spec
         tokens = _tokens(lm, plain, text, max_tokens)
         stats: dict[int, transforms.KeyStats] = {}
 
@@ -180,101 +151,62 @@ def _save_tokenizer(lm: LoadedModel, target: Path) -> None:
         lm.generation_config.save_pretrained(target)
 
 
-def check_options(model: str, options: BuildOptions):
-    """Validate options and resolve from the config only: bad input fails before weights load."""
-    fixed_scale = parse_kv_scales(options.kv_scales)
-    kinds = transforms.parse_key_transform(options.key_transform)
-    if options.calibration_text is not None:
-        if fixed_scale is not None and not transforms.needs_text(kinds):
-            raise TQExportError(
-                "--calibration-text is read only by --kv-scales calibrate (and "
-                "--kv-key-transform center or smooth); add --kv-scales calibrate or drop "
-                "--calibration-text"
-            )
-        validate.text_file(options.calibration_text, "--calibration-text")
-    desc = describe_model(model, options.dtype)
-    resolve(
-        desc,
-        options.kv_cache_dtype,
-        options.skip_layers,
-        boundary=options.boundary,
-        block_size=options.block_size,
-        recent_window=options.recent_window,
-        sink_tokens=options.sink_tokens,
-        key_transform=kinds,
-        kv_layers=options.kv_layers,
-    )
+def check_request(model: str, request: BuildRequest) -> None:
+    """Resolve from the config only and read the calibration text: bad input fails before the
+    weights load."""
+    if request.calibration_text is not None:
+        validate.text_file(request.calibration_text, "--calibration-text")
+    resolve(describe_model(model, request.dtype), request)
 
 
 def resolve_spec(
     model: str,
     lm: LoadedModel,
-    options: BuildOptions,
+    request: BuildRequest,
     progress: Callable[[str], None] = lambda stage: None,
 ) -> tuple[ModelSpec, list[str]]:
-    """The artifact's spec for a loaded model (kv scales calibrated when asked) and warnings."""
-    fixed_scale = parse_kv_scales(options.kv_scales)
-    kinds = transforms.parse_key_transform(options.key_transform)
-    kw = dict(
-        boundary=options.boundary,
-        block_size=options.block_size,
-        recent_window=options.recent_window,
-        sink_tokens=options.sink_tokens,
-        key_transform=kinds,
-        kv_layers=options.kv_layers,
-    )
+    """The artifact's spec for a loaded model (kv scales and key transforms fitted when asked)
+    and the warnings."""
     own_text = None
-    if options.calibration_text is not None:
-        own_text = validate.text_file(options.calibration_text, "--calibration-text")
-    plain = resolve(lm.description, options.kv_cache_dtype, options.skip_layers, **kw)
+    if request.calibration_text is not None:
+        own_text = validate.text_file(request.calibration_text, "--calibration-text")
+    fixed_scale = request.fixed_kv_scale
     scales = fitted = None
     if fixed_scale is None:
         progress("calibrate")
-        scales = calibrate_scales(lm, plain.spec, own_text or held_out_calibration_text())
+        plain = resolve(lm.description, request).spec
+        scales = calibrate_scales(lm, plain, own_text or held_out_calibration_text())
     elif fixed_scale != 1.0:
         scales = {la.index: (fixed_scale, fixed_scale) for la in lm.description.layers}
-    if kinds:
+    if request.key_transform:
         progress("calibrate")
         text = own_text or held_out_calibration_text()
-        fitted = calibrate_key_transforms(lm, text, kinds)
-    resolved = resolve(
-        lm.description,
-        options.kv_cache_dtype,
-        options.skip_layers,
-        kv_scales=scales,
-        key_transforms=fitted,
-        **kw,
-    )
-    spec = resolved.spec
-    spec = ModelSpec(
-        model={**spec.model, "path": _source_path(model)},
-        dtype=spec.dtype,
-        block_size=spec.block_size,
-        layers=spec.layers,
-        groups=spec.groups,
-        request={**spec.request, "kv_scales": options.kv_scales, "opset": options.opset},
-        io=spec.graph_io(),
-    )
+        fitted = calibrate_key_transforms(lm, text, request.key_transform)
+    resolved = resolve(lm.description, request, kv_scales=scales, key_transforms=fitted)
+    model_id = {**resolved.spec.model, "path": _source_path(model)}
+    spec = dataclasses.replace(resolved.spec, model=model_id, io=resolved.spec.graph_io())
     return spec, list(resolved.warnings)
 
 
 def build_artifact(
     model: str,
     out_dir: Path,
-    options: BuildOptions,
+    request: BuildRequest,
     progress: Callable[[str], None] = lambda stage: None,
+    force: bool = False,
 ) -> BuildResult:
-    """Load, resolve, export and save; raises TQExportError on bad input before heavy work."""
-    target = check_target(Path(out_dir), options.force)
-    check_options(model, options)
-    staging = Staging(target, options.force)  # locks, proves the location writable
+    """Load, resolve, export and save; raises TQExportError on bad input before heavy work.
+    ``force`` replaces an existing artifact (:mod:`tqexport.export.outdir` says what may be)."""
+    target = check_target(Path(out_dir), force)
+    check_request(model, request)
+    staging = Staging(target, force)  # locks, proves the location writable
     try:
         progress("load")
-        lm = load_model(model, options.dtype)
-        spec, warnings = resolve_spec(model, lm, options, progress)
+        lm = load_model(model, request.dtype)
+        spec, warnings = resolve_spec(model, lm, request, progress)
         staging.check_free_space(_weight_bytes(lm) + (64 << 20))
         progress("export")
-        graph = export_model(lm.model, spec, options.opset)
+        graph = export_model(lm.model, spec, request.opset)
         progress("save")
         try:
             _save(graph, spec, lm, staging.path)

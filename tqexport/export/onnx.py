@@ -19,9 +19,7 @@ from tqexport.export.functions import function_for, quiet_export
 from tqexport.export.fusable import divide_by_roots
 from tqexport.models.paged import PagedCausalLM
 from tqexport.ops.attributes import DOMAIN
-from tqexport.spec import ModelSpec, block_tables_name, slot_mapping_name
-
-DEFAULT_OPSET = 21
+from tqexport.spec import DEFAULT_OPSET, ModelSpec, block_tables_name, slot_mapping_name
 
 
 def _example(spec: ModelSpec):
