@@ -491,12 +491,13 @@ def test_readme_glance_table_quotes_the_report():
                    "detail": "best: tqx_k4v2_mse recent 60 at 3.500 bits, +1.45%"}],
     }  # fmt: skip
     assert glance.table(results).splitlines() == [
-        "| format | bits/element all in | PPL change (1024-token windows) | mean KL "
+        "| format | bits/element all in | weights | PPL change (1024-token windows) | mean KL "
         "| decode vs auto (context 4096, batch 1) | runs on |",
-        "|---|---|---|---|---|---|",
-        "| `auto` | 16.00 | +0.00% | 0.00000 | 1.00x | ORT CPU, CUDA, TensorRT, vLLM |",
-        "| `fp8` | 8.00 | +0.97% | 0.01070 | 0.90x | ORT CPU, CUDA, TensorRT, vLLM |",
-        "| `tqx_k4v3_mse recent 32` | 3.90 | +1.01% | 0.01000 | 0.80x | ORT CPU, CUDA, TensorRT |",
+        "|---|---|---|---|---|---|---|",
+        "| `auto` | 16.00 | fp32 | +0.00% | 0.00000 | 1.00x | ORT CPU, CUDA, TensorRT, vLLM |",
+        "| `fp8` | 8.00 | fp32 | +0.97% | 0.01070 | 0.90x | ORT CPU, CUDA, TensorRT, vLLM |",
+        "| `tqx_k4v3_mse recent 32` | 3.90 | fp32 | +1.01% | 0.01000 | 0.80x "
+        "| ORT CPU, CUDA, TensorRT |",
         "",
         "llama.cpp's own caches on the same text: q4_0 4.50 bits +5.54%.",
         "",

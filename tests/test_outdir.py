@@ -14,6 +14,7 @@ from tqexport.contract.artifact import open_artifact
 from tqexport.errors import TQExportError
 from tqexport.export import artifact as artifact_module
 from tqexport.export import outdir
+from tqexport.export import source as source_module
 from tqexport.export.artifact import build_artifact
 from tqexport.spec import BuildRequest
 
@@ -96,7 +97,7 @@ def test_stale_staging_of_dead_builds_is_removed(tmp_path):
 
 def test_a_file_in_the_way_is_refused_before_any_work(tmp_path, monkeypatch):
     (tmp_path / "f").write_text("x")
-    monkeypatch.setattr(artifact_module, "load_model", pytest.fail)
+    monkeypatch.setattr(source_module, "load_model", pytest.fail)
     with pytest.raises(TQExportError, match="is not a directory"):
         build_artifact("tiny-llama", tmp_path / "f" / "art", BuildRequest())
     with pytest.raises(TQExportError, match="is not a directory"):
@@ -108,7 +109,7 @@ def test_unwritable_location_fails_before_loading(tmp_path, monkeypatch):
     def refuse(self, *a, **k):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(artifact_module, "load_model", pytest.fail)
+    monkeypatch.setattr(source_module, "load_model", pytest.fail)
     monkeypatch.setattr(outdir.Path, "mkdir", refuse)
     with pytest.raises(TQExportError, match="cannot write into .*Permission denied"):
         build_artifact("tiny-llama", tmp_path / "art", BuildRequest())
@@ -282,7 +283,7 @@ def test_force_refuses_anything_but_exactly_an_artifact_and_deletes_nothing(
     shutil.copytree(artifacts("tiny-llama", "auto"), art)
     edit(art)
     before = {p: p.read_bytes() for p in art.rglob("*") if p.is_file()}
-    monkeypatch.setattr(artifact_module, "load_model", pytest.fail)
+    monkeypatch.setattr(source_module, "load_model", pytest.fail)
     with pytest.raises(TQExportError) as e:
         build_artifact("tiny-llama", art, BuildRequest(), force=True)
     assert str(e.value).startswith(message.format(art=art)), str(e.value)

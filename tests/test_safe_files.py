@@ -203,6 +203,7 @@ FRESH_FOLDER_WRITERS = {
     "tqexport/contract/files.py",  # write_manifest: into the staging folder
     "tqexport/runtime/text.py",  # the tokenizer, into a TemporaryDirectory
     "tqexport/models/loader.py",  # the converted GGUF, into make_temp_dir's folder
+    "tqexport/weights/graph.py",  # stored weights, into the build's staging folder
 }
 _CREATING_ATTRS = {"write_text", "write_bytes", "savefig", "symlink_to", "hardlink_to", "touch"}
 

@@ -40,12 +40,18 @@ from tqexport.options import (
     RecentWindowOption,
     SinkTokensOption,
     SkipOption,
+    WeightsOption,
     given,
 )
 from tqexport.runtime.config import EngineConfig
 from tqexport.safe_files import check_output_file
 from tqexport.spec import BuildRequest
-from tqexport.spec.request import DEFAULT_KV_SCALES, DEFAULT_OPSET, MAX_BUILD_OPSET
+from tqexport.spec.request import (
+    DEFAULT_KV_SCALES,
+    DEFAULT_OPSET,
+    DEFAULT_WEIGHTS,
+    MAX_BUILD_OPSET,
+)
 from tqexport.validate import DEFAULT_BLOCK_SIZE, printable
 
 try:  # typer >= 0.16 vendors click
@@ -308,6 +314,7 @@ def build(
     opset: Annotated[
         int, typer.Option(help=f"ONNX opset ({DEFAULT_OPSET}..{MAX_BUILD_OPSET}).")
     ] = DEFAULT_OPSET,
+    weights: WeightsOption = DEFAULT_WEIGHTS,
     force: Annotated[bool, typer.Option(help="Replace an existing artifact directory.")] = False,
     kv_scales: Annotated[
         str,
@@ -326,7 +333,7 @@ def build(
     """Export MODEL with per-layer KV caches: model.onnx + tqexport.json + tokenizer."""
     from tqexport.export.artifact import build_artifact
 
-    request = _build_request(ctx, model, dtype=dtype or "float32", opset=opset,
+    request = _build_request(ctx, model, dtype=dtype or "float32", opset=opset, weights=weights,
                              kv_scales=kv_scales, calibration_text=calibration_text)  # fmt: skip
     labels = {
         "load": "loading weights",
@@ -365,6 +372,11 @@ def build(
         f"{spec.bf16_bytes_per_token / spec.bytes_per_token:.2f}x); "
         f"artifact size: {fmt_bytes(result.size_bytes)}",
     )
+    if spec.weights is not None:
+        console.print(
+            printable(f"weights: {spec.weights.summary()}; other tensors in {spec.dtype}"),
+            soft_wrap=True,
+        )
     if spec.recent_window:
         console.print(
             f"recent window: the last {spec.recent_window} tokens of each sequence also kept in "
@@ -473,7 +485,7 @@ def parity(
     console.print(f"ONNX Runtime runs the layers on {report.kernels}")
     judged = "judged" if report.logits_judged else "not judged: quantized layers, see per-layer"
     t = Table(title=f"end-to-end logits, ONNX Runtime vs torch reference ({judged})")
-    for col in ("step", "max abs err", "detail", "within 1e-4"):
+    for col in ("step", "max abs err", "detail", f"within {report.logits_tolerance:g}"):
         t.add_column(col)
     for c in report.logits:
         t.add_row(c.what, f"{c.max_abs:.2e}", c.detail, ok_text(c.ok))
@@ -556,6 +568,7 @@ def inspect(
     rows, groups, summary = plan["layers"], plan["groups"], plan["summary"]
     kernels = choose_kernels(spec)  # what ONNX Runtime's CPU provider runs each layer on
     plan["kernels"] = {"ort_cpu": kernels.kernels, "why": kernels.reason}
+    plan["weights"] = _weights_summary(art)
     for r in rows:
         r["kernels"] = kernels.kernels
     blocks, total, bf16 = summary["num_blocks"], summary["total_bytes"], summary["bf16_total_bytes"]
@@ -614,6 +627,28 @@ def inspect(
             f"once ({bound} bounds them)"
         )
     console.print(printable(f"ONNX Runtime (CPU) runs the layers on {kernels.reason}"))
+    w = plan["weights"]
+    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in w["bytes"].items())
+    where = "" if w["accuracy_level"] is None else (
+        f"; ONNX Runtime runs the block-quantized ones at accuracy level {w['accuracy_level']}"
+    )  # fmt: skip
+    console.print(f"weights by precision: {parts}{where}")
+
+
+def _weights_summary(art) -> dict:
+    """The artifact's weight bytes by precision (read from its graph) and how ORT runs them."""
+    import onnx
+
+    from tqexport.weights.graph import weight_bytes
+
+    graph = onnx.load(str(art.model_file), load_external_data=False)
+    sizes = dict(sorted(weight_bytes(graph).items(), key=lambda kv: -kv[1]))
+    w = art.spec.weights
+    return {
+        "bytes": sizes,
+        "accuracy_level": None if w is None else w.accuracy_level,
+        "default": None if w is None or w.default is None else w.default.to_dict(),
+    }
 
 
 @app.command(cls=Command)

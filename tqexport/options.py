@@ -76,6 +76,14 @@ CalibrationOption = Annotated[
 ]
 
 KvDtypeOption = Annotated[str, typer.Option(help="vLLM kv-cache dtype name.")]
+WeightsOption = Annotated[
+    str,
+    typer.Option(
+        help="How the matrices are stored: auto (the source's own precision: a GGUF's 4- and "
+        "8-bit blocks, a float checkpoint in fp32), fp32, fp16, int8 or int4 (blocks of 32; a "
+        "float checkpoint through ONNX Runtime's quantizer)."
+    ),
+]
 BoundaryOption = Annotated[
     bool, typer.Option(help="TurboQuant boundary protection (first/last 2 layers).")
 ]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tqexport.bench.markdown import table as md_table
 from tqexport.safe_files import write_file
+from tqexport.spec.request import UNRECORDED_WEIGHTS
 
 BEGIN, END = "<!-- glance:begin (make docs) -->", "<!-- glance:end -->"
 
@@ -59,7 +60,8 @@ def table(results: dict) -> str:
         if r["tool"] != "tqexport" or not (bare or r["label"] in measured):
             continue
         rows.append([f"`{r['label']}`", f"{r['bits_per_element']:.2f}",
-                     f"{r['ppl_delta_pct']:+.2f}%", f"{r['kl']:.5f}", _ratio(point, r["label"]),
+                     r.get("weights", UNRECORDED_WEIGHTS), f"{r['ppl_delta_pct']:+.2f}%",
+                     f"{r['kl']:.5f}", _ratio(point, r["label"]),
                      _runs_on(r["kv_cache_dtype"], bool(r.get("recent_window")))])  # fmt: skip
     ctx = f"context {point['context']}, batch 1" if point else "not measured"
     tokens = results["quality"]["chunking"]["chunk_tokens"]
@@ -68,6 +70,7 @@ def table(results: dict) -> str:
             [
                 "format",
                 "bits/element all in",
+                "weights",
                 f"PPL change ({tokens}-token windows)",
                 "mean KL",
                 f"decode vs auto ({ctx})",

@@ -71,6 +71,15 @@ class Run:
     backend: str
     totals: Totals = field(default_factory=Totals)
 
+    @property
+    def weights(self) -> str:
+        """The weights the scores ran with: the torch runs hold the model's float32 weights (a
+        GGUF's dequantized), an artifact run on ORT its stored ones (their main precision)."""
+        w = self.spec.weights
+        if self.backend == "torch" or w is None or w.default is None:
+            return "fp32"
+        return f"{w.default.precision} ({w.default.source})"
+
     def result(self) -> dict:
         quantized = sorted({la.kv_cache_dtype for la in self.spec.layers} - {"auto"})
         request = self.spec.request or BuildRequest()
@@ -94,6 +103,7 @@ class Run:
             "bits_per_element_as_run": bits_per_element(self.spec),
             "kv_bytes_per_token": self.spec.bytes_per_token,
             "backend": self.backend,
+            "weights": self.weights,
             **self.totals.summary(),
         }
 
@@ -111,13 +121,13 @@ def _executor(spec: ModelSpec, backend: str, chunk: int, artifact_dir=None, lm=N
     return Executor(art, backend, num_blocks=blocks, max_num_batched_tokens=step, source_model=lm)
 
 
-def _source_model(spec_or_model):
+def _source_model(artifact_or_model):
     from tqexport.models.loader import load_model
     from tqexport.runtime.backends.torch import load_source_model
 
-    if isinstance(spec_or_model, ModelSpec):
-        return load_source_model(spec_or_model)
-    return load_model(spec_or_model, "float32")
+    if isinstance(artifact_or_model, Artifact):
+        return load_source_model(artifact_or_model)
+    return load_model(artifact_or_model, "float32")
 
 
 def _score_chunk(ids: list[int], base: Run, runs: list[Run]) -> None:
@@ -153,7 +163,7 @@ def evaluate(
     is_dir = Path(target).is_dir() and (Path(target) / "tqexport.json").is_file()
     if is_dir:
         art = open_artifact(target)
-        lm = _source_model(art.spec)
+        lm = _source_model(art)
         model_name = art.spec.model["path"]
     else:
         lm = _source_model(target)

@@ -21,15 +21,25 @@ import onnx
 import torch
 
 from tqexport import validate
-from tqexport.contract.files import MODEL_FILE, SPEC_FILE, WEIGHTS_FILE, write_manifest
+from tqexport.contract.files import (
+    MODEL_FILE,
+    SPEC_FILE,
+    WEIGHTS_FILE,
+    set_spec_metadata,
+    write_manifest,
+)
 from tqexport.errors import TQExportError
 from tqexport.export.onnx import export_model
 from tqexport.export.outdir import Staging, check_target
+from tqexport.export.source import BuildSource
 from tqexport.kvquant import transforms
 from tqexport.models.config import describe_model
-from tqexport.models.loader import LoadedModel, load_model
+from tqexport.models.loader import LoadedModel
 from tqexport.resolve import resolve
 from tqexport.spec import BuildRequest, ModelSpec
+from tqexport.spec.weights import StoredTensor, WeightsSpec
+from tqexport.weights.graph import store_weights
+from tqexport.weights.precision import ACCURACY_LEVEL
 
 #: vLLM's calculate_kv_scales: k_scale = max|k| / 200, v_scale = max|v| / 100.
 K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
@@ -144,19 +154,13 @@ def calibrate_scales(lm: LoadedModel, spec: ModelSpec, text: str, max_tokens: in
     return {i: (f32(k / K_SCALE_RANGE), f32(v / V_SCALE_RANGE)) for i, (k, v) in amax.items()}
 
 
-def _save_tokenizer(lm: LoadedModel, target: Path) -> None:
-    if lm.tokenizer is not None:
-        lm.tokenizer.save_pretrained(target)
-    if lm.generation_config is not None:
-        lm.generation_config.save_pretrained(target)
-
-
 def check_request(model: str, request: BuildRequest) -> None:
     """Resolve from the config only and read the calibration text: bad input fails before the
     weights load."""
     if request.calibration_text is not None:
         validate.text_file(request.calibration_text, "--calibration-text")
     resolve(describe_model(model, request.dtype), request)
+    BuildSource(model, request).check()
 
 
 def resolve_spec(
@@ -202,14 +206,16 @@ def build_artifact(
     staging = Staging(target, force)  # locks, proves the location writable
     try:
         progress("load")
-        lm = load_model(model, request.dtype)
-        spec, warnings = resolve_spec(model, lm, request, progress)
-        staging.check_free_space(_weight_bytes(lm) + (64 << 20))
+        source = BuildSource(model, request)
+        spec, warnings = resolve_spec(model, source.as_loaded(), request, progress)
+        source.release()
+        staging.check_free_space(source.weight_bytes() + (64 << 20))
         progress("export")
-        graph = export_model(lm.model, spec, request.opset)
+        graph, spec = _export(source, spec, request, staging.path / WEIGHTS_FILE)
+        warnings += source.export.notes if source.export is not None else []
         progress("save")
         try:
-            _save(graph, spec, lm, staging.path)
+            _save(graph, spec, source.tokens, staging.path)
             replaced = staging.commit()
         except OSError as e:
             why = e.strerror or str(e)
@@ -220,7 +226,21 @@ def build_artifact(
     return BuildResult(target, spec, warnings, replaced)
 
 
-def _save(graph: onnx.ModelProto, spec: ModelSpec, lm: LoadedModel, tmp: Path) -> None:
+def _export(source: BuildSource, spec: ModelSpec, request: BuildRequest, data_file: Path):
+    """The graph of ``spec`` and the spec with its weights section: the stored weights (if the
+    build stores any) replace their stand-ins, their bytes written to ``data_file`` as made."""
+    graph = export_model(source.export_model, spec, request.opset)
+    stored = source.export
+    if stored is None:
+        return graph, spec
+    records = store_weights(graph, stored.stored, data_file=data_file)
+    records += [StoredTensor(name, "fp32", None, kind) for name, kind in stored.floats.items()]
+    spec = dataclasses.replace(spec, weights=WeightsSpec(tuple(records), ACCURACY_LEVEL))
+    set_spec_metadata(graph, spec)
+    return graph, spec
+
+
+def _save(graph: onnx.ModelProto, spec: ModelSpec, tokens: tuple, tmp: Path) -> None:
     onnx.save_model(
         graph,
         tmp / MODEL_FILE,
@@ -230,13 +250,12 @@ def _save(graph: onnx.ModelProto, spec: ModelSpec, lm: LoadedModel, tmp: Path) -
     )
     onnx.checker.check_model(str(tmp / MODEL_FILE), full_check=True)
     (tmp / SPEC_FILE).write_text(spec.to_json() + "\n")
-    _save_tokenizer(lm, tmp)
+    tokenizer, generation_config = tokens
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if generation_config is not None:
+        generation_config.save_pretrained(tmp)
     write_manifest(tmp)
-
-
-def _weight_bytes(lm: LoadedModel) -> int:
-    """Bytes the exported weights take (what model.onnx.data will hold, roughly)."""
-    return sum(p.numel() * p.element_size() for p in lm.model.state_dict().values())
 
 
 def _source_path(model: str) -> str:

@@ -45,7 +45,7 @@ def gguf_cache(path: Path) -> Path:
 
 
 @contextmanager
-def _parsed_once(path: Path):
+def parsed_once(path: Path):
     """transformers parses a GGUF file's metadata (every vocabulary array) once per use: for the
     weights, again for the tokenizer's config. Within this block it parses ``path`` once and
     hands every later caller that parse (the tensors are never kept)."""
@@ -77,7 +77,7 @@ def _load_gguf(path: Path, config, dtype: torch.dtype):
 
     target = gguf_cache(path)
     if not (target / "config.json").is_file():
-        with _parsed_once(path):
+        with parsed_once(path):
             model = AutoModelForCausalLM.from_pretrained(
                 path.parent, gguf_file=path.name, config=config
             )
@@ -100,6 +100,43 @@ def _load_gguf(path: Path, config, dtype: torch.dtype):
             if not (target / "config.json").is_file():
                 raise
     return _load_dir(target, dtype)
+
+
+def load_tokenizer(name: str):
+    """MODEL's (tokenizer, generation config) without its weights: from the converted copy of
+    a GGUF when there is one, else parsed from the file; an HF directory's own files."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    path = builtins.builtin_gguf(name) if name in builtins.GGUF_BUILTINS else Path(name)
+    if path.suffix != ".gguf":
+        root = path if path.is_dir() else path.parent
+        tok = None
+        if any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            tok = AutoTokenizer.from_pretrained(root)
+        try:
+            gen = GenerationConfig.from_pretrained(root)
+        except OSError:
+            gen = None
+        return tok, gen
+    converted = gguf_cache(path)
+    if (converted / "tokenizer_config.json").is_file():
+        tok = AutoTokenizer.from_pretrained(converted)
+        try:
+            return tok, GenerationConfig.from_pretrained(converted)
+        except OSError:
+            return tok, None
+    with parsed_once(path):
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        try:
+            gen = GenerationConfig.from_pretrained(path.parent, gguf_file=path.name)
+        except (OSError, ValueError):
+            gen = None
+    return tok, gen
+
+
+def source_path(name: str) -> Path:
+    """The file or directory MODEL's weights are read from (a built-in's GGUF, or MODEL)."""
+    return builtins.builtin_gguf(name) if name in builtins.GGUF_BUILTINS else Path(name)
 
 
 def _load_dir(path: Path, dtype: torch.dtype):

@@ -44,6 +44,7 @@ from tqexport.spec.reading import (
     str_field,
 )
 from tqexport.spec.request import request_from_dict
+from tqexport.spec.weights import weights_from_dict
 from tqexport.validate import MAX_BLOCK_SIZE, MAX_RECENT_WINDOW, MAX_SINK_TOKENS
 
 TOP_KEYS = (
@@ -113,7 +114,7 @@ def _spec_from_dict(d: Any) -> ModelSpec:
             f"{__version__} (it reads version {SCHEMA_VERSION}); rebuild the artifact with "
             "this tqexport or use the tqexport version that built it"
         )
-    known_keys(d, TOP_KEYS, (), "spec")
+    known_keys(d, TOP_KEYS, ("weights",), "spec")
     block_size = int_field(d, "block_size", 1, MAX_BLOCK_SIZE, "spec")
     layers = list_field(d, "layers", 1, MAX_LAYERS, "spec")
     groups = list_field(d, "groups", 1, MAX_GROUPS, "spec")
@@ -127,6 +128,7 @@ def _spec_from_dict(d: Any) -> ModelSpec:
         request=request_from_dict(d["request"], block_size),
         io=d["io"],
         tqexport_version=d["tqexport_version"],
+        weights=weights_from_dict(d["weights"]) if "weights" in d else None,
     )
 
 

@@ -17,6 +17,7 @@ from tqexport.spec.groups import CacheGroup
 from tqexport.spec.layer import LayerSpec
 from tqexport.spec.limits import SCHEMA_VERSION
 from tqexport.spec.request import BuildRequest
+from tqexport.spec.weights import WeightsSpec
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class ModelSpec:
     #: what the build was asked for (provenance; None: not recorded, written as {})
     request: BuildRequest | None = None
     io: dict[str, Any] | None = None
+    #: how the weights are stored (None: every matrix in the model dtype)
+    weights: WeightsSpec | None = None
     tqexport_version: str = __version__
 
     def __post_init__(self):
@@ -109,6 +112,7 @@ class ModelSpec:
             "dtype": self.dtype,
             "block_size": self.block_size,
             "request": {} if self.request is None else self.request.to_dict(),
+            **({} if self.weights is None else {"weights": self.weights.to_dict()}),
             **self.plan_dict(),
             "io": self.io,
         }

@@ -27,6 +27,7 @@ from tqexport.spec.reading import (
     as_object,
     bad,
     bool_field,
+    choice_field,
     int_field,
     known_keys,
     list_field,
@@ -41,6 +42,10 @@ DEFAULT_OPSET, MAX_BUILD_OPSET = 21, 23
 #: ``--kv-scales``: a number every fp8/nvfp4 layer takes, or this word (fitted per layer)
 CALIBRATE_SCALES = "calibrate"
 DEFAULT_KV_SCALES = "1.0"
+#: ``--weights``: how the matrices are stored (:mod:`tqexport.weights.precision` says what each
+#: means per source); a spec recorded before the option existed stored them as fp32
+WEIGHTS = ("auto", "fp32", "fp16", "int8", "int4")
+DEFAULT_WEIGHTS, UNRECORDED_WEIGHTS = "auto", "fp32"
 
 
 def parse_kv_scales(value: str) -> float | None:
@@ -76,6 +81,7 @@ class BuildRequest:
     #: ``--kv-scales`` as given: a number, or ``calibrate``
     kv_scales: str = DEFAULT_KV_SCALES
     opset: int = DEFAULT_OPSET
+    weights: str = DEFAULT_WEIGHTS
     #: the compute dtype (None: the config's)
     dtype: str | None = field(default=None, compare=False)
     calibration_text: Path | None = field(default=None, compare=False)
@@ -111,6 +117,7 @@ class BuildRequest:
                 f"--opset must be {DEFAULT_OPSET}..{MAX_BUILD_OPSET} (fp8 casts need "
                 f"{DEFAULT_OPSET}+), got {self.opset}"
             )
+        validate.choice(self.weights, "--weights", WEIGHTS)
         if self.dtype is not None:
             validate.choice(self.dtype, "--dtype", MODEL_DTYPE_NAMES)
         if self.calibration_text is not None:
@@ -173,14 +180,14 @@ class BuildRequest:
             | ({"sink_tokens": self.sink_tokens} if self.sink_tokens else {})
             | ({"key_transform": self.key_transform_label} if self.key_transform else {})
             | ({"kv_layers": self.kv_layers} if self.kv_layers is not None else {})
-            | {"kv_scales": self.kv_scales, "opset": self.opset}
+            | {"kv_scales": self.kv_scales, "opset": self.opset, "weights": self.weights}
         )
 
 
 #: the fields of a recorded request: the first is required, the others default
 REQUEST_KEYS = (
     "kv_cache_dtype", "skip_layers", "boundary", "recent_window", "kv_scales", "opset",
-    "key_transform", "sink_tokens", "kv_layers",
+    "key_transform", "sink_tokens", "kv_layers", "weights",
 )  # fmt: skip
 
 
@@ -230,6 +237,9 @@ def request_from_dict(value: Any, block_size: int = DEFAULT_BLOCK_SIZE) -> Build
         fields["kv_scales"] = _kv_scales(r["kv_scales"])
     if "opset" in r:
         fields["opset"] = int_field(r, "opset", 1, MAX_OPSET, "request")
+    fields["weights"] = (
+        choice_field(r, "weights", WEIGHTS, "request") if "weights" in r else UNRECORDED_WEIGHTS
+    )
     try:
         return BuildRequest(**fields)
     except TQExportError as e:

@@ -108,6 +108,19 @@ def session_options(threads: int | None = None, /, **overrides) -> ort.SessionOp
     return opts
 
 
+#: the session entry holding the accuracy level ORT gives the MatMulNBits it fuses from a
+#: blocked DequantizeLinear feeding a MatMul (how an artifact stores quantized weights)
+WEIGHTS_ACCURACY_ENTRY = "session.qdq_matmulnbits_accuracy_level"
+
+
+def apply_weights(opts: ort.SessionOptions, spec, accuracy_level: int | None = None) -> None:
+    """Run the artifact's block-quantized matrices at its spec's accuracy level (or
+    ``accuracy_level``: parity checks at 0, float32 inputs)."""
+    if spec.weights is not None:
+        level = spec.weights.accuracy_level if accuracy_level is None else accuracy_level
+        opts.add_session_config_entry(WEIGHTS_ACCURACY_ENTRY, str(level))
+
+
 def session_summary(opts: ort.SessionOptions) -> dict:
     """What a session runs with, as ORT holds it (``session.get_session_options()``), to set
     beside another system's: threads (0: ORT's default, one per physical core), whether idle
@@ -163,6 +176,7 @@ class OrtBackend:
         self.device = device
         check_ops(artifact.model_file)
         opts = session_options(threads, **(options or {}))
+        apply_weights(opts, artifact.spec)
         if device == "cpu":
             self.kernel_choice = choose_kernels(artifact.spec, kernels)
         elif kernels == "native":

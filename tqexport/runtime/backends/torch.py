@@ -16,14 +16,26 @@ from tqexport.models.loader import load_model
 from tqexport.models.paged import PagedCausalLM
 
 
-def load_source_model(spec):
-    """The torch model an artifact was built from, refused if its config digest differs."""
+def load_source_model(artifact: Artifact):
+    """The torch model an artifact was built from, refused if its config digest differs; the
+    matrices the artifact stores quantized (or in fp16) hold the artifact's own weights,
+    dequantized, so torch and ONNX Runtime compute with the same ones."""
+    spec = artifact.spec
     lm = load_model(spec.model["path"], spec.dtype)
     if lm.description.config_digest != spec.model["config_digest"]:
         raise TQExportError(
             f"the source model at {spec.model['path']} is not the one this artifact was "
             "built from (config digest differs)"
         )
+    if spec.weights is not None:
+        import onnx
+
+        from tqexport.weights.graph import read_stored
+
+        params = dict(lm.model.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for name, w in read_stored(onnx.load(str(artifact.model_file))).items():
+                params[name].copy_(torch.from_numpy(w))
     return lm
 
 
@@ -33,7 +45,7 @@ class TorchBackend:
     def __init__(self, artifact: Artifact, num_blocks: int | list[int], source_model=None):
         """``source_model``: an already loaded model (a LoadedModel) instead of reloading."""
         spec = artifact.spec
-        lm = source_model or load_source_model(spec)
+        lm = source_model or load_source_model(artifact)
         self.spec = spec
         self.module = PagedCausalLM(lm.model, spec, mode="inplace")
         self.caches = allocate_caches(spec, num_blocks)

@@ -1,0 +1,268 @@
+"""Stored weights: every GGUF block type decodes as gguf does, the graph ONNX Runtime runs
+equals x times the dequantized matrix, the reference reads the artifact's own weights back,
+and builds store what ``--weights`` asks (or refuse it in one line, before any work)."""
+
+import json
+
+import gguf
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from gguf import quants
+from helpers import main_inproc
+from onnx import TensorProto, helper
+from tiny_gguf import TYPES, random_blocks, write_tiny_gguf
+
+from tqexport.contract.artifact import open_artifact
+from tqexport.errors import TQExportError
+from tqexport.runtime.backends.ort import WEIGHTS_ACCURACY_ENTRY
+from tqexport.spec.limits import SpecError
+from tqexport.spec.weights import StoredTensor, WeightsSpec, weights_from_dict
+from tqexport.weights import gguf_source
+from tqexport.weights.blocks import GGUF_DECODERS, decode_gguf, quantize_rtn
+from tqexport.weights.graph import read_stored, store_weights, weight_bytes
+from tqexport.weights.placeholders import GATHER, MATMUL, PLACEHOLDER_DOMAIN
+
+
+def blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    return random_blocks(type_name, rows, cols, np.random.default_rng(seed), scale=1.0)
+
+
+@pytest.mark.parametrize("type_name", sorted(GGUF_DECODERS))
+def test_every_block_type_decodes_as_gguf_does(type_name):
+    raw = blocks(type_name, 6, 512)
+    want = quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(6, 512)
+    w = decode_gguf(raw, type_name, 6, 512)
+    bits = GGUF_DECODERS[type_name][2]
+    assert (w.bits, w.source) == (bits, type_name)
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    assert lo <= int(w.codes.min()) and int(w.codes.max()) <= hi
+    np.testing.assert_allclose(w.dequantize(), want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+def _stand_in_model(k: int, n: int, readers: list[str]) -> onnx.ModelProto:
+    """A graph whose outputs are stand-in nodes reading weight ``w`` (``MatMul`` of ``x [M,
+    K]``, ``Gather`` of ``ids [M]``), as an export leaves them."""
+    nodes, outputs = [], []
+    for i, op in enumerate(readers):
+        inp = "x" if op == MATMUL else "ids"
+        width = n if op == MATMUL else k
+        nodes.append(helper.make_node(op, [inp], [f"y{i}"], domain=PLACEHOLDER_DOMAIN, weight="w"))
+        outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["M", width]))
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])] * (MATMUL in readers)
+    inputs += [helper.make_tensor_value_info("ids", TensorProto.INT64, ["M"])] * (GATHER in readers)
+    graph = helper.make_graph(nodes, "g", inputs, outputs)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(PLACEHOLDER_DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
+
+
+def _run(model: onnx.ModelProto, feed: dict, level: int = 0) -> list[np.ndarray]:
+    opts = ort.SessionOptions()
+    opts.add_session_config_entry(WEIGHTS_ACCURACY_ENTRY, str(level))
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return sess.run(
+        None, {k: v for k, v in feed.items() if k in {i.name for i in sess.get_inputs()}}
+    )
+
+
+@pytest.mark.parametrize("type_name", sorted(GGUF_DECODERS))
+def test_the_stored_matmul_equals_x_times_the_dequantized_matrix(type_name):
+    """DequantizeLinear -> MatMul as ONNX Runtime fuses it (MatMulNBits, accuracy level 0:
+    float32 inputs), a block offset added as a product of block sums: x @ W.T, float32
+    rounding apart; the graph is standard ONNX plus nothing of the stand-in domain."""
+    n, k = 40, 512
+    w = decode_gguf(blocks(type_name, n, k, seed=1), type_name, n, k)
+    model = _stand_in_model(k, n, [MATMUL])
+    (record,) = store_weights(model, {"w": lambda: w})
+    assert record == StoredTensor("w", f"int{w.bits}", w.block, type_name)
+    assert {n.domain for n in model.graph.node} == {""}
+    assert [o.domain for o in model.opset_import] == [""]
+    x = np.random.default_rng(2).standard_normal((3, k)).astype(np.float32)
+    (y,) = _run(model, {"x": x})
+    want = x.astype(np.float64) @ w.dequantize().T.astype(np.float64)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_a_table_gathered_and_read_by_a_tied_head_is_stored_once():
+    """An embedding table read by Gather and by an output head: one set of initializers (4-bit
+    codes widened to 8 for Gather), the head through Transposes; offsets added to rows too."""
+    n, k = 64, 256
+    w = decode_gguf(blocks("Q4_1", n, k), "Q4_1", n, k)
+    model = _stand_in_model(k, n, [GATHER, MATMUL])
+    (record,) = store_weights(model, {"w": lambda: w})
+    assert (record.precision, record.source) == ("int8", "Q4_1")
+    assert sorted(t.name for t in model.graph.initializer if not t.name.startswith("tq")) == [
+        "w.codes", "w.offset", "w.scale"]  # fmt: skip
+    ids = np.array([3, 0, 63], np.int64)
+    x = np.random.default_rng(3).standard_normal((3, k)).astype(np.float32)
+    rows, y = _run(model, {"x": x, "ids": ids})
+    np.testing.assert_allclose(rows, w.dequantize()[ids], rtol=0, atol=1e-6)
+    want = x.astype(np.float64) @ w.dequantize().T.astype(np.float64)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_ort_rtn_quantizer_keeps_each_value_within_one_step():
+    """Symmetric round-to-nearest in blocks of 32 (ORT maps the block's largest magnitude to
+    the code -2**(bits-1), so the other sign can clamp by up to one step)."""
+    rng = np.random.default_rng(4)
+    weight = rng.standard_normal((16, 96)).astype(np.float32)
+    for bits in (4, 8):
+        q = quantize_rtn(weight, bits)
+        assert (q.bits, q.block, q.source) == (bits, 32, f"rtn{bits}")
+        step = np.abs(np.repeat(q.scale, 32, axis=1))
+        err = np.abs(q.dequantize() - weight)
+        assert np.all(err <= step + 1e-6) and float((err / step).mean()) < 0.3
+    with pytest.raises(TQExportError, match="not whole blocks of 32"):
+        quantize_rtn(weight[:, :40], 4)
+
+
+def test_the_reference_reads_back_exactly_what_was_stored():
+    n, k = 32, 256
+    weights = {"a": decode_gguf(blocks("Q4_K", n, k), "Q4_K", n, k),
+               "b": decode_gguf(blocks("Q6_K", n, k), "Q6_K", n, k)}  # fmt: skip
+    nodes = [
+        helper.make_node(MATMUL, ["x"], ["ya"], domain=PLACEHOLDER_DOMAIN, weight="a"),
+        helper.make_node(GATHER, ["ids"], ["yb"], domain=PLACEHOLDER_DOMAIN, weight="b"),
+    ]
+    graph = helper.make_graph(nodes, "g", [], [])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    store_weights(model, {name: (lambda w=w: w) for name, w in weights.items()})
+    back = read_stored(model)
+    assert sorted(back) == ["a", "b"]
+    for name, w in weights.items():
+        np.testing.assert_array_equal(back[name], w.dequantize())
+    sizes = weight_bytes(model)
+    assert sizes["int4"] == n * k // 2 + 2 * 4 * n * (k // 32)  # codes, scales, offsets
+    assert sizes["int8"] == n * k + 4 * n * (k // 16)
+
+
+def test_weights_section_round_trips_and_refuses_what_does_not_fit():
+    tensors = (StoredTensor("a.weight", "int4", 32, "Q4_1"),
+               StoredTensor("b.weight", "int4", 32, "Q4_1"),
+               StoredTensor("e.weight", "int8", 32, "Q8_0"),
+               StoredTensor("f.weight", "fp32", None, "Q3_K"))  # fmt: skip
+    spec = WeightsSpec(tensors, 4)
+    d = spec.to_dict()
+    assert d["default"] == {"precision": "int4", "block_size": 32, "source": "Q4_1",
+                            "tensors": ["a.weight", "b.weight"]}  # fmt: skip
+    assert sorted(d["differs"]) == ["e.weight", "f.weight"]
+    assert weights_from_dict(json.loads(json.dumps(d))) == spec
+    bad = json.loads(json.dumps(d))
+    bad["differs"]["g.weight"] = bad["differs"]["e.weight"] | {"precision": "int3"}
+    with pytest.raises(SpecError, match="precision' must be one of int4, int8, fp16, fp32"):
+        weights_from_dict(bad)
+    bad = json.loads(json.dumps(d))
+    bad["differs"]["f.weight"]["block_size"] = 32
+    with pytest.raises(SpecError, match="a float tensor has no block_size"):
+        weights_from_dict(bad)
+    bad = json.loads(json.dumps(d))
+    bad["differs"]["c.weight"] = {"precision": "int4", "block_size": 32, "source": "Q4_1"}
+    with pytest.raises(SpecError, match="'default' is not the precision most tensors have"):
+        weights_from_dict(bad)
+
+
+def test_a_block_count_that_disagrees_with_the_shape_is_refused():
+    class Tensor:  # a Q4_0 matrix of 2 rows whose bytes hold one 32-element block per row
+        name, nbytes = "blk.0.attn_q.weight", 36
+
+    with pytest.raises(
+        TQExportError, match=r"holds 36 bytes, but Q4_0 blocks of that shape take 72"
+    ):
+        gguf_source._check_blocks(Tensor, "Q4_0", 2, 64)
+    with pytest.raises(TQExportError, match="not whole"):
+        gguf_source._check_blocks(Tensor, "Q4_0", 2, 40)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from tqexport.models.builtins import builtin_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", builtin_gguf("smollm2"))
+
+
+def test_a_gguf_with_every_block_type_builds_and_passes_parity(tiny_gguf, tmp_path, capsys):
+    from tqexport.verify.parity import run_parity
+
+    out = tmp_path / "art"
+    code, _, err = main_inproc(capsys, "build", str(tiny_gguf), "-o", str(out))
+    assert code == 0, err
+    assert "warning: blk.1.ffn_gate.weight (Q3_K) is stored as float: Q3_K has no block " in err
+    art = open_artifact(out)
+    w = art.spec.weights
+    assert art.spec.request.weights == "auto" and w.accuracy_level == 4
+    by_name = {t.name: t for t in w.tensors}
+    assert by_name["model.embed_tokens.weight"] == StoredTensor(
+        "model.embed_tokens.weight", "int8", 32, "Q4_0"
+    )  # gathered: 8-bit container
+    assert by_name["model.layers.1.mlp.gate_proj.weight"].precision == "fp32"
+    assert by_name["model.layers.0.mlp.down_proj.weight"] == StoredTensor(
+        "model.layers.0.mlp.down_proj.weight", "int8", 16, "Q6_K")  # fmt: skip
+    sources = {t.source for t in w.tensors}
+    assert sources == set(TYPES.values())
+    graph = onnx.load(str(art.model_file), load_external_data=False).graph
+    floats = [t for t in graph.initializer if t.data_type == TensorProto.FLOAT and len(t.dims) == 2
+              and not t.name.endswith((".scale", ".offset"))]  # fmt: skip
+    assert [list(t.dims) for t in floats] == [[256, 256]]  # the Q3_K matrix alone
+    report = run_parity(art, steps=2, prompt_len=12, batch=2)
+    assert report.ok and report.logits_judged
+
+
+@pytest.mark.parametrize(("weights", "message"), [
+    ("int4", "--weights int4: GGUF Q5_0 codes are wider than 4 bits"),
+    ("int8", "--weights int8: GGUF block type Q3_K has no mapping in tqexport"),
+])  # fmt: skip
+def test_a_width_the_gguf_cannot_be_stored_at_is_refused_before_any_work(
+    tiny_gguf, tmp_path, capsys, weights, message
+):
+    code, out, err = main_inproc(capsys, "build", str(tiny_gguf), "-o", str(tmp_path / "a"),
+                                 "--weights", weights)  # fmt: skip
+    assert code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("weights", "precisions"), [
+    ("int4", {"int4", "int8"}), ("int8", {"int8"}), ("fp16", {"fp16"}),
+])  # fmt: skip
+def test_a_float_checkpoint_is_quantized_by_ort_and_its_reference_reads_it(
+    artifacts, capsys, weights, precisions
+):
+    from tqexport.verify.parity import run_parity
+
+    art = open_artifact(artifacts("tiny-llama", "auto", weights=weights))
+    assert {t.precision for t in art.spec.weights.tensors} == precisions
+    assert art.spec.request.weights == weights
+    report = run_parity(art, steps=2, prompt_len=12, batch=2)
+    assert report.ok and report.logits_judged
+    code, out, _ = main_inproc(capsys, "inspect", str(art.path), "--json")
+    sizes = json.loads(out)["weights"]["bytes"]
+    assert set(sizes) == precisions | {"fp32"}
+
+
+def test_smollm2_greedy_follows_the_reference_on_its_own_blocks(artifacts):
+    """SmolLM2 ``--weights auto`` (its Q4_1 and Q8_0 blocks): at accuracy level 0 ONNX Runtime
+    decides as the reference on the same dequantized weights wherever that is decisive; at
+    the served level 4 (8-bit inputs) wherever it is decisive beyond that level's noise."""
+    from helpers import BLOCK_WEIGHTS_NEAR_TIE, assert_greedy, at_accuracy, teacher_forced
+    from transformers import AutoTokenizer
+
+    from tqexport.models.paged import PagedCausalLM
+    from tqexport.runtime.backends.torch import load_source_model
+    from tqexport.runtime.executor import Executor
+    from tqexport.runtime.sequence import SamplingParams
+
+    art = open_artifact(artifacts("smollm2", "auto"))
+    assert art.spec.weights.default.source == "Q4_1"
+    tok = AutoTokenizer.from_pretrained(art.path)
+    ids = tok("The Python statement `with` is used to", add_special_tokens=False)["input_ids"]
+    lm = load_source_model(art)
+    module = PagedCausalLM(lm.model, art.spec, mode="functional")
+    for level, near_tie in ((0, None), (4, BLOCK_WEIGHTS_NEAR_TIE)):
+        out = Executor(at_accuracy(art, level), "ort", num_blocks=16).generate(
+            [ids], SamplingParams(max_tokens=32, ignore_stop=True))[0].output  # fmt: skip
+        with torch.no_grad():
+            logits = teacher_forced(module, art.spec, ids, out)
+        decisive = assert_greedy(logits, out) if near_tie is None else assert_greedy(
+            logits, out, near_tie)  # fmt: skip
+        assert decisive >= 16  # of 32

@@ -1,0 +1,109 @@
+"""What a build reads from MODEL: its description, tokenizer and generation config, the model it
+exports (with stand-ins where it stores weights itself, :mod:`tqexport.weights`) and the float
+model that calibration runs, loaded only when a build calibrates.
+
+A GGUF built with its own blocks is never dequantized whole: the export model is built with
+empty weights and filled from the file, matrix by matrix, as the graph takes them.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+from tqexport.errors import TQExportError
+from tqexport.models.config import describe_config, load_config
+from tqexport.models.loader import LoadedModel, load_model, load_tokenizer, source_path
+from tqexport.resolve import ModelDescription
+from tqexport.spec import BuildRequest
+from tqexport.weights.export import ExportWeights, dense_bytes, from_gguf, from_model
+from tqexport.weights.gguf_source import check_types
+from tqexport.weights.precision import gguf_type_refusal, stores_blocks
+
+
+class BuildSource:
+    """MODEL for one build request (``lm`` and ``export`` load on first use)."""
+
+    def __init__(self, name: str, request: BuildRequest):
+        from tqexport.kvquant.codecs import MODEL_DTYPES
+        from tqexport.models import builtins
+
+        self.name, self.request = name, request
+        self.config, source = load_config(name)
+        shown = name if name in builtins.BUILTIN_NAMES else source_path(name).name
+        self.description: ModelDescription = describe_config(
+            self.config, shown, source, request.dtype
+        )
+        self.torch_dtype = MODEL_DTYPES[self.description.dtype]
+        self.gguf = name not in builtins.TINY_CONFIGS and source_path(name).suffix == ".gguf"
+        self.blocks = stores_blocks(request.weights, self.gguf)
+        if self.blocks and self.description.dtype != "float32":
+            if request.weights in ("int8", "int4"):
+                raise TQExportError(
+                    f"--weights {request.weights} stores matrices for float32 compute; drop "
+                    f"--dtype {self.description.dtype}"
+                )
+            self.blocks = False  # auto with a 16-bit compute dtype: the GGUF is dequantized
+
+    def check(self) -> None:
+        """Refuse, before any weight loads, a GGUF matrix type ``--weights`` cannot store."""
+        if self.blocks and self.gguf:
+            weights = self.request.weights
+            check_types(source_path(self.name), lambda t: gguf_type_refusal(t, weights))
+
+    @cached_property
+    def lm(self) -> LoadedModel:
+        """The model in float (calibration and the float-weight export run it)."""
+        return load_model(self.name, self.request.dtype)
+
+    def release(self) -> None:
+        """Drop the float model when the export does not need it (after calibration)."""
+        if self.blocks and self.gguf:
+            self.__dict__.pop("lm", None)
+
+    @cached_property
+    def tokens(self) -> tuple:
+        """(tokenizer, generation config) without loading the weights where possible."""
+        if "lm" in self.__dict__:
+            return self.lm.tokenizer, self.lm.generation_config
+        if self.gguf:
+            return load_tokenizer(self.name)
+        return self.lm.tokenizer, self.lm.generation_config
+
+    @cached_property
+    def export(self) -> ExportWeights | None:
+        """The export model with its stored weights, or None when the graph keeps the float
+        model's own weights (``--weights fp32``, ``auto`` on a float checkpoint)."""
+        weights = self.request.weights
+        if self.blocks and self.gguf:
+            return from_gguf(source_path(self.name), self.config, self.torch_dtype, weights)
+        if weights in ("fp16", "int8", "int4"):
+            lm = self.lm
+            self.__dict__.pop("lm", None)  # its modules become the export model's
+            self.__dict__["tokens"] = (lm.tokenizer, lm.generation_config)
+            return from_model(lm.model, weights, self.torch_dtype)
+        return None
+
+    @property
+    def export_model(self):
+        return self.export.model if self.export is not None else self.lm.model
+
+    def weight_bytes(self) -> int:
+        """About what the artifact's weights take (for the free-space check)."""
+        if self.export is not None:
+            return self.export.bytes_estimate + dense_bytes(self.export.model)
+        return dense_bytes(self.lm.model)
+
+    def as_loaded(self) -> LoadedModel:
+        """A LoadedModel view for calibration: the float model, loaded when first run."""
+        return _Lazy(self)
+
+
+class _Lazy(LoadedModel):
+    def __init__(self, source: BuildSource):  # no dataclass init: the model loads on demand
+        self._source = source
+        self.description = source.description
+        self.tokenizer, self.generation_config = source.tokens
+
+    @property
+    def model(self):
+        return self._source.lm.model
