@@ -266,3 +266,49 @@ def test_smollm2_greedy_follows_the_reference_on_its_own_blocks(artifacts):
         decisive = assert_greedy(logits, out) if near_tie is None else assert_greedy(
             logits, out, near_tie)  # fmt: skip
         assert decisive >= 16  # of 32
+
+
+@pytest.mark.parametrize("source", ["gguf", "tiny-llama"])
+def test_bench_quality_on_a_model_computes_with_the_weights_a_build_stores(
+    tiny_gguf, artifacts, tmp_path, source
+):
+    """``bench quality MODEL --weights W`` scores the matrices ``build --weights W`` stores:
+    every parameter equals what the artifact's reference reads back."""
+    from tqexport.bench.quality import source_model
+    from tqexport.export.artifact import build_artifact
+    from tqexport.runtime.backends.torch import load_source_model
+    from tqexport.spec import BuildRequest
+
+    if source == "gguf":
+        target, weights, label = str(tiny_gguf), "auto", "GGUF blocks"
+        build_artifact(target, tmp_path / "a", BuildRequest(weights=weights))
+        art = open_artifact(tmp_path / "a")
+    else:
+        target, weights, label = source, "int4", "int4 (RTN)"
+        art = open_artifact(artifacts(source, "auto", weights=weights))
+    lm, got_label = source_model(target, weights)
+    assert got_label == label
+    want = dict(load_source_model(art).model.named_parameters())
+    got = dict(lm.model.named_parameters())
+    assert sorted(got) == sorted(want)
+    assert [n for n in want if not torch.equal(got[n], want[n])] == []
+    if source == "tiny-llama":
+        assert source_model(art)[1] == "int4 (rtn4)"
+
+
+def test_bench_speed_reuses_a_folder_only_for_the_same_build(tmp_path):
+    from tqexport.bench.speed import artifact_for
+
+    art = artifact_for("tiny-llama", "fp8", tmp_path, weights="fp16")
+    assert art.path.name == "tiny-llama-fp8-fp16" and art.spec.request.weights == "fp16"
+    assert artifact_for("tiny-llama", "fp8", tmp_path, weights="fp16").path == art.path
+    (art.path.parent / "tiny-llama-fp8-int8").symlink_to(art.path)
+    with pytest.raises(TQExportError, match="holds another build of tiny-llama than this run"):
+        artifact_for("tiny-llama", "fp8", tmp_path, weights="int8")
+
+
+def test_bench_quality_refuses_weights_for_an_artifact(artifacts, capsys):
+    code, _, err = main_inproc(capsys, "bench", "quality", str(artifacts("tiny-llama", "auto")),
+                               "--weights", "int4")  # fmt: skip
+    assert code == 2
+    assert err.startswith("error: --weights has no effect when TARGET is an artifact")

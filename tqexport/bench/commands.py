@@ -14,9 +14,10 @@ from tqexport import validate
 from tqexport.bench import matrix
 from tqexport.console import console, err, progress
 from tqexport.errors import TQExportError
-from tqexport.options import CalibrationOption, Command, SkipOption, given
+from tqexport.options import CalibrationOption, Command, SkipOption, WeightsOption, given
 from tqexport.runtime.config import DEFAULT_KV_CACHE_MEMORY
 from tqexport.spec import BuildRequest
+from tqexport.spec.request import DEFAULT_WEIGHTS
 from tqexport.validate import printable
 
 bench_app = typer.Typer(
@@ -29,18 +30,20 @@ def _say(what: str) -> None:
     err.print(printable(what))
 
 
-def _quality(target, configs, text_file, chunk, chunks, peer: bool):
+def _quality(target, configs, text_file, chunk, chunks, peer: bool, weights=DEFAULT_WEIGHTS):
     """Ours (with a progress bar) and the llama.cpp peer: (ours, peer result, peer note)."""
     with progress() as bar:
         task = bar.add_task("tqexport: scoring chunks", total=None)
         return matrix.run_quality(
             target, configs, text_file, chunk, chunks, peer,
             lambda done, total: bar.update(task, completed=done, total=total), _say,
+            weights=weights,
         )  # fmt: skip
 
 
 @bench_app.command("quality", cls=Command)
 def bench_quality(
+    ctx: typer.Context,
     target: Annotated[str, typer.Argument(help="MODEL (HF dir, .gguf, built-in) or artifact DIR.")],
     kv_cache_dtype: Annotated[
         list[str] | None,
@@ -94,13 +97,20 @@ def bench_quality(
         Path | None, typer.Option(help="Evaluate on this UTF-8 text instead of pydoc topics.")
     ] = None,
     peer: Annotated[bool, typer.Option(help="Also run llama.cpp's f16/q8_0/q4_0 caches.")] = True,
+    weights: WeightsOption = DEFAULT_WEIGHTS,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ):
-    """Perplexity, KL and top-1 agreement per kv-cache configuration, through the paged caches."""
+    """Perplexity, KL and top-1 agreement per kv-cache configuration, through the paged caches
+    (every run on the weights ``build --weights`` stores, dequantized)."""
     from tqexport.bench.report import with_deltas
 
     validate.integer(chunk, "--chunk", 2, matrix.MAX_BENCH_CHUNK)
     validate.integer(chunks, "--chunks", 1, matrix.MAX_BENCH_CHUNKS)
+    if given(ctx, "weights") and matrix.is_artifact(target):
+        raise TQExportError(
+            f"--weights has no effect when TARGET is an artifact ({target} runs on the weights "
+            "it stores); drop it, or give a model"
+        )
     if text_file is not None and not text_file.is_file():
         raise TQExportError(f"--text-file {text_file} not found")
     configs = matrix.quality_configs(
@@ -128,7 +138,7 @@ def bench_quality(
         configs = _budget_configs(target, kv_bits, calibration, others, key_transform)
     elif calibration is not None:
         raise TQExportError("--calibration is read only by --kv-bits; add --kv-bits or drop it")
-    ours, peer_result, note = _quality(target, configs, text_file, chunk, chunks, peer)
+    ours, peer_result, note = _quality(target, configs, text_file, chunk, chunks, peer, weights)
     rows = with_deltas(ours, peer_result)
     if as_json:
         print(json.dumps({"quality": ours, "peer": peer_result, "peer_note": note,
@@ -171,8 +181,8 @@ def _print_quality(ours: dict, rows: list[dict], note: str | None) -> None:
     c = ours["chunking"]
     t = Table(
         title=printable(
-            f"{ours['model']}: {c['chunks']} x {c['chunk_tokens']} tokens of "
-            f"{ours['text']['name']} (sha256 {ours['text']['sha256'][:12]})"
+            f"{ours['model']} ({ours['weights']} weights): {c['chunks']} x {c['chunk_tokens']} "
+            f"tokens of {ours['text']['name']} (sha256 {ours['text']['sha256'][:12]})"
         )
     )
     for col in ("tool", "configuration", "bits/elem", "PPL", "vs own baseline", "KL", "top-1"):
@@ -231,11 +241,12 @@ def bench_speed(
             "bodies); labels say which ran, e.g. fp8 [native]."
         ),
     ] = "auto",
+    weights: WeightsOption = DEFAULT_WEIGHTS,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ):
     """Decode tokens/s vs context and batch per kv dtype on ONNX Runtime CPU; KV memory."""
     if matrix.is_artifact(target):
-        for name in ("kv_cache_dtype", "recent_window"):
+        for name in ("kv_cache_dtype", "recent_window", "weights"):
             if given(ctx, name):
                 raise TQExportError(
                     f"--{name.replace('_', '-')} has no effect when TARGET is an artifact "
@@ -244,7 +255,7 @@ def bench_speed(
                 )
     speed = matrix.run_speed(
         target, kv_cache_dtype, contexts, batches, steps, budget, workdir, _say, recent_window,
-        kernels,
+        kernels, weights,
     )  # fmt: skip
     if as_json:
         print(json.dumps(speed, indent=2))
@@ -266,6 +277,9 @@ def _print_speed(speed: dict) -> None:
     console.print(t)
     for note in speed_report.speed_notes(speed):
         console.print(printable(note))
+    if speed.get("weights"):
+        kinds = ", ".join(f"{n}: {w}" for n, w in speed["weights"].items())
+        console.print(printable(f"weights: {kinds}"))
     m = Table(title=printable(f"KV memory at a {speed['budget']} budget"))
     for col in ("kv dtype", "KV bytes/token", "resident tokens", "vs auto", "bytes ratio"):
         m.add_column(col, justify="right")

@@ -9,6 +9,7 @@ from pathlib import Path
 from tqexport import validate
 from tqexport.errors import TQExportError
 from tqexport.spec import BuildRequest, parse_kv_scales
+from tqexport.spec.request import DEFAULT_WEIGHTS
 
 #: every kv dtype a quality run covers by default (aliases and 16-bit stores left out)
 BENCH_DTYPES = (
@@ -161,13 +162,24 @@ def _no_effect(names, entries, boundary, kv_scales, transforms, windows) -> None
 
 
 def run_quality(
-    target, configs, text_file, chunk, chunks, peer: bool, progress, say: Say, threads=None
+    target,
+    configs,
+    text_file,
+    chunk,
+    chunks,
+    peer: bool,
+    progress,
+    say: Say,
+    threads=None,
+    weights=DEFAULT_WEIGHTS,
 ):
     """Ours, then the llama.cpp peer when asked and possible: (ours, peer result, peer note)."""
     from tqexport.bench import evaltext, peers, quality
 
     text = evaltext.file_text(text_file) if text_file else evaltext.pydoc_topics()
-    ours, ids = quality.evaluate(target, configs, text, chunk, chunks, progress=progress)
+    ours, ids = quality.evaluate(
+        target, configs, text, chunk, chunks, progress=progress, weights=weights
+    )
     peer_result, note = None, None
     source = ours["model"]
     gguf = peers.gguf_path(source)
@@ -218,11 +230,12 @@ def is_artifact(target) -> bool:
 
 
 def plan_speed(target, dtypes, contexts, batches, steps, budget, workdir, recent="0",
-               kernels="auto") -> Callable[[Say], dict]:  # fmt: skip
+               kernels="auto", weights=DEFAULT_WEIGHTS) -> Callable[[Say], dict]:  # fmt: skip
     """Every input of a speed run checked (dtypes, grid, budget, memory, kernel choices) before
     anything is built or run; returns the run: ``run(say)`` builds or reuses the artifacts and
     measures them. ``target`` is a model, whose artifacts are built or reused under
-    ``workdir``, or one artifact (compared with auto)."""
+    ``workdir`` with ``--weights weights``, or one artifact (compared with auto on its own
+    weights)."""
     from tqexport.bench import speed
     from tqexport.contract.artifact import open_artifact
     from tqexport.kvquant.modes import parse_kv_cache_dtype
@@ -238,7 +251,9 @@ def plan_speed(target, dtypes, contexts, batches, steps, budget, workdir, recent
         speed.run_kernels(asked, {name: art.spec})
 
         def build(say: Say) -> dict:
-            return {"auto": speed.artifact_for(art.spec.model["path"], "auto", workdir), name: art}
+            own = (art.spec.request or BuildRequest()).weights
+            auto = speed.artifact_for(art.spec.model["path"], "auto", workdir, weights=own)
+            return {"auto": auto, name: art}
     else:
         from tqexport.models.config import describe_model
         from tqexport.resolve import resolve
@@ -253,7 +268,8 @@ def plan_speed(target, dtypes, contexts, batches, steps, budget, workdir, recent
             for w in windows if parse_kv_cache_dtype(n).mode.is_quantized else [0]:
                 label = f"{n} recent {w}" if w else n
                 plans[label] = (n, w)
-                specs[label] = resolve(desc, BuildRequest(n, recent_window=w)).spec
+                request = BuildRequest(n, recent_window=w, weights=weights)
+                specs[label] = resolve(desc, request).spec
                 check_speed_memory(specs[label], label, ctx, bat, steps)
         speed.run_kernels(asked, specs)
 
@@ -261,22 +277,25 @@ def plan_speed(target, dtypes, contexts, batches, steps, budget, workdir, recent
             arts = {}
             for label, (n, w) in plans.items():
                 say(f"artifact {label}: building or reusing under {workdir}")
-                arts[label] = speed.artifact_for(target, n, workdir, w)
+                arts[label] = speed.artifact_for(target, n, workdir, w, weights)
             return arts
 
     def run(say: Say) -> dict:
         arts = build(say)
         chosen = speed.run_kernels(asked, {n: a.spec for n, a in arts.items()})
         say(f"kernels: {', '.join(chosen)} (asked: {', '.join(asked)})")
+        from tqexport.weights.precision import stored_label
+
         result = speed.measure(arts, ctx, bat, steps, budget, progress=say, kernels=chosen)
-        return {**result, "kernels_requested": asked}
+        weights = {n: stored_label(a.spec) for n, a in arts.items()}
+        return {**result, "kernels_requested": asked, "weights": weights}
 
     return run
 
 
 def run_speed(target, dtypes, contexts, batches, steps, budget, workdir, say: Say, recent="0",
-              kernels="auto"):  # fmt: skip
+              kernels="auto", weights=DEFAULT_WEIGHTS):  # fmt: skip
     """Decode speed and KV memory per dtype (and recent window) under each kernel choice:
     :func:`plan_speed`, then its run."""
     return plan_speed(target, dtypes, contexts, batches, steps, budget, workdir, recent,
-                      kernels)(say)  # fmt: skip
+                      kernels, weights)(say)  # fmt: skip

@@ -23,7 +23,7 @@ from tqexport.kvquant.modes import parse_kv_cache_dtype
 from tqexport.metrics import Baseline, Totals
 from tqexport.runtime.executor import Executor
 from tqexport.spec import BuildRequest, ModelSpec
-from tqexport.spec.request import DEFAULT_KV_SCALES
+from tqexport.spec.request import DEFAULT_KV_SCALES, DEFAULT_WEIGHTS
 from tqexport.storage_bits import bits_per_element
 
 
@@ -69,16 +69,9 @@ class Run:
     spec: ModelSpec
     executor: Executor
     backend: str
+    #: the weights every run of an evaluation computes with (:func:`source_model`)
+    weights: str
     totals: Totals = field(default_factory=Totals)
-
-    @property
-    def weights(self) -> str:
-        """The weights the scores ran with: the torch runs hold the model's float32 weights (a
-        GGUF's dequantized), an artifact run on ORT its stored ones (their main precision)."""
-        w = self.spec.weights
-        if self.backend == "torch" or w is None or w.default is None:
-            return "fp32"
-        return f"{w.default.precision} ({w.default.source})"
 
     def result(self) -> dict:
         quantized = sorted({la.kv_cache_dtype for la in self.spec.layers} - {"auto"})
@@ -121,13 +114,18 @@ def _executor(spec: ModelSpec, backend: str, chunk: int, artifact_dir=None, lm=N
     return Executor(art, backend, num_blocks=blocks, max_num_batched_tokens=step, source_model=lm)
 
 
-def _source_model(artifact_or_model):
-    from tqexport.models.loader import load_model
+def source_model(target: str | Artifact, weights: str = DEFAULT_WEIGHTS):
+    """(the float model, what its matrices are): an artifact's source holding the artifact's
+    own weights, or MODEL holding what ``build --weights weights`` would store, dequantized."""
+    from tqexport.export.source import BuildSource
     from tqexport.runtime.backends.torch import load_source_model
+    from tqexport.weights.precision import stored_label
 
-    if isinstance(artifact_or_model, Artifact):
-        return load_source_model(artifact_or_model)
-    return load_model(artifact_or_model, "float32")
+    if isinstance(target, Artifact):
+        return load_source_model(target), stored_label(target.spec)
+    source = BuildSource(target, BuildRequest(weights=weights, dtype="float32"))
+    source.check()
+    return source.reference_model(), source.weights_label
 
 
 def _score_chunk(ids: list[int], base: Run, runs: list[Run]) -> None:
@@ -156,6 +154,7 @@ def evaluate(
     max_chunks: int = 8,
     progress: Callable[[int, int], None] = lambda done, total: None,
     tokenizer=None,
+    weights: str = DEFAULT_WEIGHTS,
 ) -> tuple[dict, list[list[int]]]:
     """Score MODEL (``configs``) or an artifact DIR (its own config) against the baseline.
 
@@ -163,10 +162,10 @@ def evaluate(
     is_dir = Path(target).is_dir() and (Path(target) / "tqexport.json").is_file()
     if is_dir:
         art = open_artifact(target)
-        lm = _source_model(art)
+        lm, stored = source_model(art)
         model_name = art.spec.model["path"]
     else:
-        lm = _source_model(target)
+        lm, stored = source_model(target, weights)
         model_name = target
     tok = tokenizer or lm.tokenizer
     if tok is None:
@@ -177,20 +176,22 @@ def evaluate(
     chunks = chunk_tokens(tokens, chunk, max_chunks)
     base_spec, _ = resolve_spec(model_name, lm, BuildRequest())
     base_run = _executor(base_spec, "torch", chunk, lm=lm)
-    base = Run(Config(BuildRequest()), base_spec, base_run, "torch")
+    base = Run(Config(BuildRequest()), base_spec, base_run, "torch", stored)
     runs = []
     if is_dir:
-        runs.append(Run(None, art.spec, _executor(art.spec, "ort", chunk, art.path), "ort"))
+        runs.append(Run(None, art.spec, _executor(art.spec, "ort", chunk, art.path), "ort",
+                        stored))  # fmt: skip
     for c in configs:
         if c.is_baseline:
             continue
         spec, _ = resolve_spec(model_name, lm, c.request)
-        runs.append(Run(c, spec, _executor(spec, "torch", chunk, lm=lm), "torch"))
+        runs.append(Run(c, spec, _executor(spec, "torch", chunk, lm=lm), "torch", stored))
     for i, ids in enumerate(chunks):
         _score_chunk(ids, base, runs)
         progress(i + 1, len(chunks))
     results = {
         "model": model_name,
+        "weights": stored,
         "text": text.describe(),
         "chunking": {"chunk_tokens": chunk, "chunks": len(chunks), "text_tokens": len(tokens)},
         "baseline": base.result(),

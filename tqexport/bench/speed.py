@@ -26,19 +26,28 @@ from tqexport.runtime.backends.ort import OrtBackend, session_summary
 from tqexport.runtime.config import DEFAULT_KV_CACHE_MEMORY
 from tqexport.runtime.memory import parse_memory, resolve_num_blocks
 from tqexport.spec import BuildRequest
+from tqexport.spec.request import DEFAULT_WEIGHTS
 
 
-def artifact_for(model: str, kv_cache_dtype: str, workdir: Path, recent_window: int = 0):
-    """The artifact of MODEL at this kv dtype (and recent window), built into ``workdir`` once
-    and then reused."""
+def artifact_for(model: str, kv_cache_dtype: str, workdir: Path, recent_window: int = 0,
+                 weights: str = DEFAULT_WEIGHTS):  # fmt: skip
+    """The artifact of MODEL at this kv dtype, recent window and ``--weights``, built into
+    ``workdir`` once and then reused (refused if the folder holds another build)."""
     from tqexport.export.artifact import build_artifact
 
     suffix = f"-recent{recent_window}" if recent_window else ""
-    out = workdir / f"{Path(model).name}-{kv_cache_dtype}{suffix}"
+    out = workdir / f"{Path(model).name}-{kv_cache_dtype}{suffix}-{weights}"
+    request = BuildRequest(kv_cache_dtype, recent_window=recent_window, weights=weights)
     if not (out / "tqexport.json").is_file():
         workdir.mkdir(parents=True, exist_ok=True)
-        build_artifact(model, out, BuildRequest(kv_cache_dtype, recent_window=recent_window))
-    return open_artifact(out)
+        build_artifact(model, out, request)
+    art = open_artifact(out)
+    if art.spec.request != request:
+        raise TQExportError(
+            f"{out} holds another build of {model} than this run asks for; remove it or give "
+            "another --workdir"
+        )
+    return art
 
 
 #: a configuration measured under one kernel choice: ``"fp8 [native]"``

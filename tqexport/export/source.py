@@ -17,7 +17,7 @@ from tqexport.resolve import ModelDescription
 from tqexport.spec import BuildRequest
 from tqexport.weights.export import ExportWeights, dense_bytes, from_gguf, from_model
 from tqexport.weights.gguf_source import check_types
-from tqexport.weights.precision import gguf_type_refusal, stores_blocks
+from tqexport.weights.precision import FLOAT_PRECISION, gguf_type_refusal, stores_blocks
 
 
 class BuildSource:
@@ -92,6 +92,34 @@ class BuildSource:
         if self.export is not None:
             return self.export.bytes_estimate + dense_bytes(self.export.model)
         return dense_bytes(self.lm.model)
+
+    def reference_model(self) -> LoadedModel:
+        """The float model holding the weights this request stores, dequantized: what the
+        artifact's torch reference computes with (``bench quality`` on a MODEL)."""
+        if self.export is None:
+            return self.lm
+        import torch
+
+        from tqexport.weights.blocks import BlockWeight
+
+        lm = load_model(self.name, self.request.dtype)
+        params = dict(lm.model.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for name, load in self.export.stored.items():
+                value = load()
+                dense = value.dequantize() if isinstance(value, BlockWeight) else value
+                params[name].copy_(torch.from_numpy(dense.astype("float32", copy=False)))
+        return lm
+
+    @property
+    def weights_label(self) -> str:
+        """What the matrices are, in a word or two: ``int4 (GGUF blocks)``, ``int8 (RTN)``..."""
+        weights = self.request.weights
+        if self.blocks and self.gguf:
+            return "GGUF blocks" if weights == "auto" else f"{weights} (GGUF blocks)"
+        if weights in ("int8", "int4"):
+            return f"{weights} (RTN)"
+        return "fp16" if weights == "fp16" else FLOAT_PRECISION[self.description.dtype]
 
     def as_loaded(self) -> LoadedModel:
         """A LoadedModel view for calibration: the float model, loaded when first run."""

@@ -21,6 +21,19 @@ ACCURACY_LEVEL = 4
 EMBEDDING_BITS = 8
 
 
+#: a model dtype by the name ``--weights`` gives float precisions
+FLOAT_PRECISION = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def stored_label(spec) -> str:
+    """What most of an artifact's matrices are (``int4 (Q4_1)``, ``fp32``): its spec's weights
+    section, or the model dtype for a spec without one."""
+    w = spec.weights
+    if w is None or w.default is None:
+        return FLOAT_PRECISION[spec.dtype]
+    return f"{w.default.precision} ({w.default.source})"
+
+
 def stores_blocks(weights: str, gguf: bool) -> bool:
     """Whether a build with ``--weights weights`` stores matrices in blocks (GGUF or not)."""
     return weights in ("int8", "int4") or (weights == "auto" and gguf)
