@@ -3,12 +3,15 @@
 Peers (installed by the project's extras: ``pip install -e '.[peers-speed]'`` for ONNX Runtime
 GenAI, ``'.[peers]'`` for llama.cpp):
 
-- ONNX Runtime GenAI: its model builder's fp32 CPU model of the same weights (built once,
-  offline, from the HF directory tqexport converts the GGUF into; GroupQueryAttention over a
-  contiguous KV buffer shared between steps). The prompt is prefilled outside the timing.
+- ONNX Runtime GenAI: its model builder's CPU models of the same weights, one per
+  ``--genai-precisions`` (default fp32 and int4: RTN blocks of 32 at accuracy level 4, the
+  level tqexport's block-quantized weights run at), built once, offline, from the HF directory
+  tqexport converts the GGUF into; GroupQueryAttention over a contiguous fp32 KV buffer shared
+  between steps. The prompt is prefilled outside the timing.
 - llama.cpp (llama-cpp-python) on the GGUF itself, f16 / q8_0 / q4_0 K and V caches, flash
   attention, batch 1 (its Python API decodes one sequence).
-- tqexport: the artifacts of ``tqexport bench speed`` (built once into ``--workdir``): B
+- tqexport: the artifacts of ``tqexport bench speed --weights`` (built once into ``--workdir``,
+  default ``auto``: a GGUF's own 4- and 8-bit blocks): B
   sequences with C cached tokens, single-token decode steps, under every ``--kernels`` choice
   (systems ``tqexport fp8 [native]``, ``tqexport fp8 [bodies]``).
 
@@ -43,12 +46,16 @@ from tqexport.bench.speed import (
     run_kernels,
     split_label,
 )
+from tqexport.bench.speed_report import GENAI, genai_system
 from tqexport.console import error_exit
 from tqexport.contract.steps import SeqChunk, build_step
 from tqexport.errors import TQExportError
 from tqexport.runtime.backends.ort import DEFAULT_OPTIONS, OrtBackend, session_summary
+from tqexport.spec.request import DEFAULT_WEIGHTS, WEIGHTS
+from tqexport.weights.precision import stored_label
 
-GENAI = "ORT GenAI fp32"
+#: GenAI's builder options per precision: int4 in RTN blocks of 32 at accuracy level 4
+GENAI_EXTRA = {"int4": ["--extra_options", "int4_accuracy_level=4", "int4_block_size=32"]}
 
 
 def hf_dir(model: str, out: Path) -> Path:
@@ -69,8 +76,8 @@ def hf_dir(model: str, out: Path) -> Path:
     return out
 
 
-def genai_model_dir(model: str, workdir: Path) -> Path:
-    out = workdir / f"genai-{Path(model).name}-fp32"
+def genai_model_dir(model: str, workdir: Path, precision: str = "fp32") -> Path:
+    out = workdir / f"genai-{Path(model).name}-{precision}"
     if not (out / "genai_config.json").is_file():
         src = hf_dir(model, workdir / f"{Path(model).name}-hf")
         cmd = [
@@ -82,11 +89,12 @@ def genai_model_dir(model: str, workdir: Path) -> Path:
             "-o",
             str(out),
             "-p",
-            "fp32",
+            precision,
             "-e",
             "cpu",
             "-c",
             str(workdir / "genai-cache"),
+            *GENAI_EXTRA.get(precision, []),
         ]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return out
@@ -112,11 +120,12 @@ def open_genai(model_dir: Path, threads: int, spinning: bool | None):
     raise RuntimeError(note)
 
 
-def genai_session_record(ours: dict, genai_config: dict, overlay: dict, note: str | None):
+def genai_session_record(ours: dict, genai_config: dict, overlay: dict, note: str | None,
+                         system: str = GENAI):  # fmt: skip
     """GenAI's session options as run (its genai_config.json with the overlay applied), the
     overlay, how they differ from tqexport's ``ours``, and why part of the overlay was dropped."""
     theirs = sessions.genai_session(sessions.merged(genai_config, overlay), os.cpu_count() or 1)
-    return {GENAI: theirs, "genai_overlay": overlay,
+    return {system: theirs, "genai_overlay": overlay,
             "differences": sessions.differences(ours, theirs), "note": note}  # fmt: skip
 
 
@@ -193,6 +202,17 @@ def main(argv: list[str] | None = None):
     )
     ap.add_argument("--llama-kv", default="f16,q8_0,q4_0")
     ap.add_argument("--no-genai", action="store_true")
+    ap.add_argument(
+        "--genai-precisions",
+        default="fp32,int4",
+        help="GenAI models to build and run beside tqexport, comma-separated (-p of its builder)",
+    )
+    ap.add_argument(
+        "--weights",
+        default=DEFAULT_WEIGHTS,
+        choices=WEIGHTS,
+        help="tqexport's --weights for every artifact (auto: a GGUF's own blocks)",
+    )
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument(
         "--no-floor",
@@ -229,7 +249,8 @@ def main(argv: list[str] | None = None):
     for d in args.dtypes.split(","):
         name, _, window = d.partition(":")
         label = f"{name} recent {window}" if window else name
-        configs[label] = artifact_for(args.model, name, args.workdir, int(window or 0))
+        configs[label] = artifact_for(args.model, name, args.workdir, int(window or 0),
+                                      args.weights)  # fmt: skip
     kernels = run_kernels(asked, {n: a.spec for n, a in configs.items()})
     footprint = {f"tqexport {n}": bounds.artifact_footprint(a) for n, a in configs.items()}
     floor_art = next(iter(configs.values()))
@@ -238,12 +259,13 @@ def main(argv: list[str] | None = None):
             weights_floor.weights_bytes(weights_floor.floor_model(floor_art)), 0
         )
     spinning = DEFAULT_OPTIONS["allow_spinning"] if args.genai_spinning == "same" else None
-    genai, genai_dir, overlay, note = None, None, {}, None
-    if not args.no_genai:
-        genai_dir = genai_model_dir(args.model, args.peer_workdir)
-        genai, overlay, note = open_genai(genai_dir, args.threads, spinning)
-        genai_config = json.loads((genai_dir / "genai_config.json").read_text())
-        footprint[GENAI] = bounds.genai_footprint(genai_dir, genai_config)
+    genai, genai_configs, overlay, note = {}, {}, {}, None
+    for precision in [] if args.no_genai else args.genai_precisions.split(","):
+        system = genai_system(precision)
+        genai_dir = genai_model_dir(args.model, args.peer_workdir, precision)
+        genai[system], overlay, note = open_genai(genai_dir, args.threads, spinning)
+        genai_configs[system] = json.loads((genai_dir / "genai_config.json").read_text())
+        footprint[system] = bounds.genai_footprint(genai_dir, genai_configs[system])
     gguf = None
     if not args.no_llama:
         from tqexport.bench import peers
@@ -272,8 +294,8 @@ def main(argv: list[str] | None = None):
                 systems[weights_floor.SYSTEM] = weights_floor.WeightsFloor(
                     floor_art, b, args.threads
                 )
-            if genai is not None and b * c <= args.peer_max_cached_tokens:
-                systems[GENAI] = GenAI(genai, c, b, args.steps)
+            for system, model in genai.items() if b * c <= args.peer_max_cached_tokens else ():
+                systems[system] = GenAI(model, c, b, args.steps)
             if gguf is not None and b == 1:
                 for kv in args.llama_kv.split(","):
                     systems[f"llama.cpp {kv}"] = LlamaCpp(gguf, kv, c, args.threads)
@@ -302,15 +324,17 @@ def main(argv: list[str] | None = None):
     print_table(rows, kernels)
     if args.json:
         versions = {"onnxruntime": metadata.version("onnxruntime")}
-        if genai is not None:
+        if genai:
             versions["onnxruntime-genai"] = metadata.version("onnxruntime-genai")
         if gguf is not None:
             versions["llama-cpp-python"] = metadata.version("llama-cpp-python")
         session = {"tqexport": ours_session}
-        if genai is not None:
-            session.update(genai_session_record(ours_session, genai_config, overlay, note))
+        for system, config in genai_configs.items():
+            record = genai_session_record(ours_session, config, overlay, note, system)
+            session.update(record if system == GENAI else {system: record[system]})
         command = " ".join(["benchmarks/peers_speed.py", *(sys.argv[1:] if argv is None else argv)])
         result = {"command": command, "versions": versions, "threads": args.threads,
+                  "weights": {n: stored_label(a.spec) for n, a in configs.items()},
                   "steps": args.steps, "kernels": kernels,
                   "kernels_requested": asked, "systems": ran,
                   "session_options": session, "footprint": footprint,

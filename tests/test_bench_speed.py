@@ -412,7 +412,9 @@ def test_weights_floor_multiplies_by_every_weight_of_the_artifact_in_place(artif
 
     art = open_artifact(artifacts("tiny-llama", "auto"))
     stored = onnx.load(str(art.model_file), load_external_data=False)
-    weights = [w for w, _ in weights_floor.weight_matmuls(stored)]
+    products = weights_floor.weight_products(stored)
+    assert all(p.nodes == [] and len(p.initializers) == 1 for p in products)
+    weights = [p.initializers[0] for p in products]
     graph_matmuls = [n for n in stored.graph.node if n.op_type == "MatMul"]
     assert len(weights) == len(graph_matmuls) == 43  # 6 layers x 7 projections + lm_head
     model = weights_floor.floor_model(art)
@@ -460,8 +462,9 @@ def test_weights_floor_reads_a_tied_lm_head_through_its_transpose():
         [numpy_helper.from_array(emb, "emb"), numpy_helper.from_array(w, "w")],
     )  # fmt: skip
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    assert [(t.name, tr) for t, tr in weights_floor.weight_matmuls(model)] == [
-        ("w", False), ("emb", True)
+    assert [(p.b, [n.op_type for n in p.nodes], [t.name for t in p.initializers], p.k, p.n)
+            for p in weights_floor.weight_products(model)] == [
+        ("w", [], ["w"], 4, 6), ("emb_t", ["Transpose"], ["emb"], 4, 10)
     ]  # fmt: skip
     floor = weights_floor.floor_graph(model)
     assert [i.name for i in floor.graph.input] == ["rows_4"]
@@ -644,8 +647,9 @@ def test_peers_speed_records_kernels_load_sessions_and_footprints(tmp_path):
               "--no-genai", "--no-llama", "--workdir", str(tmp_path / "w"), "--json",
               str(out)])  # fmt: skip
     d = json.loads(out.read_text())
-    arts = {n: open_artifact(tmp_path / "w" / f"tiny-llama-{n}") for n in
+    arts = {n: open_artifact(tmp_path / "w" / f"tiny-llama-{n}-auto") for n in
             ("auto", "turboquant_4bit_nc")}  # fmt: skip
+    assert d["weights"] == {"auto": "fp32", "turboquant_4bit_nc": "fp32"}
     kernels = speed.run_kernels(["auto", "bodies"], {n: a.spec for n, a in arts.items()})
     systems = [f"tqexport {speed.kernel_label(n, k)}" for k in kernels for n in arts]
     assert d["kernels"] == kernels and d["kernels_requested"] == ["auto", "bodies"]
@@ -666,6 +670,24 @@ def test_peers_speed_records_kernels_load_sessions_and_footprints(tmp_path):
         assert sorted(r["loadavg"]) == ["after", "before"]
         assert all(len(r["loadavg"][w]) == 3 for w in ("before", "after"))
     speed_report.read_peer_speed(out)
+
+
+def test_peers_speed_builds_genai_int4_at_the_accuracy_level_of_our_blocks(tmp_path, monkeypatch):
+    """GenAI's int4 peer: its builder's RTN blocks of 32 at accuracy level 4, as tqexport's
+    block-quantized weights run; fp32 as before."""
+    mod = _peers_speed()
+    ran = []
+    monkeypatch.setattr(mod, "hf_dir", lambda model, out: out)
+    monkeypatch.setattr(mod.subprocess, "run", lambda cmd, **kw: ran.append(cmd))
+    assert mod.genai_model_dir("smollm2", tmp_path, "int4") == tmp_path / "genai-smollm2-int4"
+    mod.genai_model_dir("smollm2", tmp_path)
+    flags = [cmd[cmd.index("-p") :] for cmd in ran]
+    assert flags == [
+        ["-p", "int4", "-e", "cpu", "-c", str(tmp_path / "genai-cache"), "--extra_options",
+         "int4_accuracy_level=4", "int4_block_size=32"],
+        ["-p", "fp32", "-e", "cpu", "-c", str(tmp_path / "genai-cache")],
+    ]  # fmt: skip
+    assert mod.genai_system("fp32") == speed_report.GENAI == "ORT GenAI fp32"
 
 
 def test_peers_speed_bad_kernels_is_one_line(tmp_path):

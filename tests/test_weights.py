@@ -312,3 +312,28 @@ def test_bench_quality_refuses_weights_for_an_artifact(artifacts, capsys):
                                "--weights", "int4")  # fmt: skip
     assert code == 2
     assert err.startswith("error: --weights has no effect when TARGET is an artifact")
+
+
+def test_the_weights_floor_multiplies_by_the_stored_blocks(artifacts):
+    """The peers run's floor on a 4-bit artifact: each weight made as the model makes it
+    (DequantizeLinear of the stored codes and scales), its bytes the packed ones, and each
+    output the rows times the dequantized matrix (ONNX Runtime's level-4 noise aside)."""
+    from tqexport.bench import weights_floor
+
+    art = open_artifact(artifacts("tiny-llama", "auto", weights="int4"))
+    floor = weights_floor.WeightsFloor(art, batch=2, threads=1)
+    products = weights_floor.weight_products(onnx.load(str(art.model_file),
+                                                       load_external_data=False))  # fmt: skip
+    assert len(products) == 43  # 6 layers x 7 projections + lm_head
+    assert {tuple(n.op_type for n in p.nodes) for p in products} == {("DequantizeLinear",)}
+    kinds = {tuple(t.data_type for t in p.initializers) for p in products}
+    assert kinds == {(TensorProto.INT4, TensorProto.FLOAT)}
+    want_bytes = sum(p.k * p.n // 2 + 4 * p.k * p.n // 32 for p in products)
+    assert weights_floor.weights_bytes(weights_floor.floor_model(art)) == want_bytes
+    dense = read_stored(onnx.load(str(art.model_file)))
+    outs = floor.step()
+    names = [p.initializers[0].name.removesuffix(".codes") for p in products]
+    for name, p, y in zip(names, products, outs, strict=True):
+        x = floor.feed[f"rows_{p.k}"]
+        ref = x @ dense[name].T
+        assert np.linalg.norm(y - ref) <= 0.02 * np.linalg.norm(ref), name

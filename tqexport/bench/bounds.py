@@ -39,8 +39,8 @@ def kv_elements_per_token(spec) -> int:
 
 
 def genai_footprint(model_dir: Path, config: dict) -> dict:
-    """ONNX Runtime GenAI's fp32 model (``genai_config.json`` as ``config``): its ONNX files
-    on disk, fp32 keys and values of every decoder layer per token."""
+    """An ONNX Runtime GenAI model (``genai_config.json`` as ``config``): its ONNX files on
+    disk, fp32 keys and values of every decoder layer per token (its CPU models' cache)."""
     d = config["model"]["decoder"]
     weights = sum(f.stat().st_size for f in Path(model_dir).iterdir()
                   if f.name.endswith((".onnx", ".onnx.data")))  # fmt: skip

@@ -12,7 +12,14 @@ from tqexport.bench.bounds import step_bytes
 from tqexport.bench.markdown import table as md_table
 from tqexport.bench.speed import kernel_label, split_label
 
-GENAI = "ORT GenAI fp32"
+
+def genai_system(precision: str) -> str:
+    """A GenAI model's system name in a peers run, by its builder precision."""
+    return f"ORT GenAI {precision}"
+
+
+#: the peer the report's goals compare with: GenAI's fp32 model
+GENAI = genai_system("fp32")
 #: how a peer-speed run names tqexport's systems: "tqexport " + label
 TQ = "tqexport "
 #: the batch-scaling goals at context 1024: (system, batch 8 over batch 1 at least)

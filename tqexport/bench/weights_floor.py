@@ -1,71 +1,106 @@
 """The weights floor of a decode step: ONNX Runtime running nothing but an artifact's weight
 MatMuls, each weight once on B rows, with the artifact's own initializers (read from its data
 file in place) and tqexport's session options. A decoder on these weights and this runtime
-cannot step faster than this at batch B, so it bounds every system that reads the same fp32
-weights through ORT's MatMul (tqexport, ONNX Runtime GenAI): the peers run measures it beside
-them."""
+cannot step faster than this at batch B, so it bounds every system that reads the same weights
+through ORT (tqexport, ONNX Runtime GenAI on the same precision): the peers run measures it
+beside them. Block-quantized weights run as the artifact runs them (DequantizeLinear into
+MatMul, fused by ONNX Runtime into MatMulNBits), so the floor is that of the stored weights."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
 from tqexport.contract.artifact import Artifact
-from tqexport.runtime.backends.ort import EXTERNAL_FOLDER_ENTRY, session_options
+from tqexport.runtime.backends.ort import EXTERNAL_FOLDER_ENTRY, apply_weights, session_options
 
 #: the floor's system name in a peers run (its tokens/s: batch over the fastest step)
 SYSTEM = "ORT weight MatMuls only"
 
 
-def weight_matmuls(model: onnx.ModelProto) -> list[tuple[onnx.TensorProto, bool]]:
-    """The weights ``model``'s top-level MatMuls multiply by, once each, in graph order: (the
-    initializer, whether the MatMul reads it through a 2-D Transpose, as a tied embedding's
-    lm_head does). These are the weights a decode step reads in full."""
+#: the ops that turn stored initializers into the matrix a MatMul multiplies by
+_WEIGHT_OPS = ("Transpose", "DequantizeLinear", "Cast")
+
+
+@dataclass
+class WeightProduct:
+    """One weight a MatMul multiplies by: the value ``b`` (``[K, N]``), the nodes that make it
+    from the stored initializers (none for a float weight stored as it is multiplied), and
+    those initializers."""
+
+    b: str
+    nodes: list[onnx.NodeProto]
+    initializers: list[onnx.TensorProto]
+    k: int
+    n: int
+
+
+def weight_products(model: onnx.ModelProto) -> list[WeightProduct]:
+    """The weights ``model``'s top-level MatMuls multiply by, once each, in graph order: a 2-D
+    initializer, or what Transposes, blocked DequantizeLinears and Casts make of initializers
+    (a tied head's transposed table, 4- and 8-bit blocks, float16 storage). A block offset's
+    correction is a MatMul by an initializer too, so it counts. These are the bytes a decode
+    step reads in full."""
     inits = {t.name: t for t in model.graph.initializer}
-    transposed = {
-        n.output[0]: n.input[0]
-        for n in model.graph.node
-        if n.op_type == "Transpose"
-        and n.input[0] in inits
-        and len(inits[n.input[0]].dims) == 2
-        and [list(a.ints) for a in n.attribute if a.name == "perm"] in ([], [[1, 0]])
-    }
-    seen: dict[str, tuple[onnx.TensorProto, bool]] = {}
+    shape = {name: list(t.dims) for name, t in inits.items()}
+    maker: dict[str, onnx.NodeProto] = {}
     for node in model.graph.node:
-        if node.op_type != "MatMul":
+        if node.op_type not in _WEIGHT_OPS or not all(i in shape for i in node.input if i):
             continue
-        b = node.input[1]
-        if b in inits and len(inits[b].dims) == 2:
-            seen.setdefault(b, (inits[b], False))
-        elif b in transposed:
-            seen.setdefault(transposed[b], (inits[transposed[b]], True))
+        s = shape[node.input[0]]
+        if node.op_type == "Transpose":
+            perm = [list(a.ints) for a in node.attribute if a.name == "perm"]
+            if len(s) != 2 or perm not in ([], [[1, 0]]):
+                continue
+            s = s[::-1]
+        shape[node.output[0]], maker[node.output[0]] = s, node
+    seen: dict[str, WeightProduct] = {}
+    for node in model.graph.node:
+        a, b = node.input[0], node.input[1] if len(node.input) > 1 else ""
+        if node.op_type != "MatMul" or a in shape or b not in shape or len(shape[b]) != 2:
+            continue
+        if b not in seen:
+            nodes, names, todo = [], [], [b]
+            while todo:
+                value = todo.pop()
+                if value in maker:
+                    nodes.insert(0, maker[value])
+                    todo += [i for i in maker[value].input if i]
+                elif value not in names:
+                    names.append(value)
+            k, n = shape[b]
+            seen[b] = WeightProduct(b, nodes, [inits[i] for i in reversed(names)], k, n)
     return list(seen.values())
 
 
 def floor_graph(model: onnx.ModelProto) -> onnx.ModelProto:
     """A graph of one MatMul per weight of ``model`` (input ``rows_K`` of shape [batch, K] for
-    each weight of K rows as multiplied, output ``y<i>``; a transposed weight through the same
-    Transpose, which ORT folds at load as it does in the model), the initializers as stored
-    (external data stays external: nothing is copied)."""
-    weights = weight_matmuls(model)
-    if not weights:
+    each weight of K rows as multiplied, output ``y<i>``), each weight made as the model makes
+    it (the same Transposes and DequantizeLinears, which ONNX Runtime folds or fuses at load as
+    it does in the model), the initializers as stored (external data stays external)."""
+    products = weight_products(model)
+    if not products:
         raise ValueError("the model has no weight MatMul")
-    elem = weights[0][0].data_type
-    nodes, outputs, widths = [], [], set()
-    for i, (w, transposed) in enumerate(weights):
-        k, n = reversed(w.dims) if transposed else w.dims
-        b = w.name
-        if transposed:
-            b = f"{w.name}_t"
-            nodes.append(onnx.helper.make_node("Transpose", [w.name], [b], perm=[1, 0]))
-        nodes.append(onnx.helper.make_node("MatMul", [f"rows_{k}", b], [f"y{i}"]))
-        outputs.append(onnx.helper.make_tensor_value_info(f"y{i}", elem, ["batch", n]))
-        widths.add(k)
+    elem = next(o.type.tensor_type.elem_type for o in model.graph.output)
+    nodes, outputs, widths, inits = [], [], set(), {}
+    emitted: set[str] = set()
+    for i, p in enumerate(products):
+        for node in p.nodes:
+            if node.output[0] not in emitted:
+                nodes.append(node)
+                emitted.add(node.output[0])
+        for t in p.initializers:
+            inits.setdefault(t.name, t)
+        nodes.append(onnx.helper.make_node("MatMul", [f"rows_{p.k}", p.b], [f"y{i}"]))
+        outputs.append(onnx.helper.make_tensor_value_info(f"y{i}", elem, ["batch", p.n]))
+        widths.add(p.k)
     inputs = [
         onnx.helper.make_tensor_value_info(f"rows_{k}", elem, ["batch", k]) for k in sorted(widths)
     ]
-    graph = onnx.helper.make_graph(nodes, "weights_floor", inputs, outputs, [w for w, _ in weights])
+    graph = onnx.helper.make_graph(nodes, "weights_floor", inputs, outputs, list(inits.values()))
     opset = [o for o in model.opset_import if o.domain in ("", "ai.onnx")]
     return onnx.helper.make_model(graph, opset_imports=opset, ir_version=model.ir_version)
 
@@ -75,12 +110,20 @@ def floor_model(artifact: Artifact) -> onnx.ModelProto:
     return floor_graph(onnx.load(str(artifact.model_file), load_external_data=False))
 
 
+#: element types stored two to a byte
+_NIBBLES = (onnx.TensorProto.INT4, onnx.TensorProto.UINT4)
+
+
 def weights_bytes(model: onnx.ModelProto) -> int:
     """The bytes of ``model``'s initializers (a floor model's: every weight a step reads)."""
-    return sum(
-        int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-        for t in model.graph.initializer
-    )
+    total = 0
+    for t in model.graph.initializer:
+        count = int(np.prod(t.dims))
+        if t.data_type in _NIBBLES:
+            total += (count + 1) // 2
+        else:
+            total += count * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return total
 
 
 class WeightsFloor:
@@ -90,12 +133,15 @@ class WeightsFloor:
     def __init__(self, artifact: Artifact, batch: int, threads: int | None = None):
         model = floor_model(artifact)
         opts = session_options(threads)
+        apply_weights(opts, artifact.spec)
         opts.add_session_config_entry(EXTERNAL_FOLDER_ENTRY, str(artifact.model_file.parent))
         self.session = ort.InferenceSession(
             model.SerializeToString(), opts, providers=["CPUExecutionProvider"]
         )
         rng = np.random.default_rng(0)
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(model.graph.initializer[0].data_type)
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(
+            model.graph.input[0].type.tensor_type.elem_type
+        )
         self.feed = {
             i.name: rng.standard_normal((batch, int(i.name.removeprefix("rows_")))).astype(dtype)
             for i in model.graph.input
