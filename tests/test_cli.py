@@ -45,7 +45,8 @@ def test_plan_json_is_the_per_layer_spec():
     r = run("plan", "tiny-gemma2", "--kv-cache-dtype", "fp8", "--skip-layers", "sw", "--json")
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
-    assert set(plan) == {"groups", "layers"}
+    assert set(plan) == {"groups", "layers", "weights_bytes"}
+    assert set(plan["weights_bytes"]) == {"fp32"}  # a float checkpoint under --weights auto
     assert [la["kv_cache_dtype"] for la in plan["layers"]] == ["auto", "fp8"] * 3
     assert [la["softcap"] for la in plan["layers"]] == [50.0] * 6
     assert plan["layers"][0]["scale"] == 64**-0.5

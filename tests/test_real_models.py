@@ -60,7 +60,10 @@ def test_gemma_plan_is_five_sliding_to_one_full_and_sw_keeps_the_sliding_ones():
     assert auto == [i for i in range(18) if i % 6 != 5] and len(auto) == 15
     assert {la.skipped_by for la in spec.layers if la.index in auto} == {"--skip-layers sw"}
     assert all(spec.layers[i].cache.kv_cache_dtype == "turboquant_4bit_nc" for i in (5, 11, 17))
-    assert json.loads(r.stdout) == json.loads(json.dumps(spec.plan_dict()))  # the CLI's plan
+    planned = json.loads(r.stdout)
+    weights = planned.pop("weights_bytes")
+    assert planned == json.loads(json.dumps(spec.plan_dict()))  # the CLI's plan
+    assert {"int4", "int8", "fp32"} <= set(weights)  # Gemma's Q4_K_M: 4-bit and wider types
 
 
 def test_qwen_plan_is_24_full_layers_and_sw_skips_nothing():

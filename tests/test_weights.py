@@ -337,3 +337,35 @@ def test_the_weights_floor_multiplies_by_the_stored_blocks(artifacts):
         x = floor.feed[f"rows_{p.k}"]
         ref = x @ dense[name].T
         assert np.linalg.norm(y - ref) <= 0.02 * np.linalg.norm(ref), name
+
+
+@pytest.mark.parametrize(("source", "weights"), [
+    ("gguf", "auto"), ("tiny-llama", "int4"), ("tiny-llama", "int8"),
+])  # fmt: skip
+def test_plan_predicts_the_block_bytes_inspect_reads_from_the_build(
+    tiny_gguf, artifacts, tmp_path, capsys, source, weights
+):
+    """``plan --weights`` (tensor index or shapes alone) says what the built artifact's blocks
+    take, to the byte; its float bytes count every float parameter."""
+    from tqexport.export.artifact import build_artifact
+    from tqexport.spec import BuildRequest
+
+    if source == "gguf":
+        target = str(tiny_gguf)
+        build_artifact(target, tmp_path / "a", BuildRequest(weights=weights))
+        art = tmp_path / "a"
+    else:
+        target, art = source, artifacts(source, "auto", weights=weights)
+    code, out, err = main_inproc(capsys, "plan", target, "--weights", weights, "--json")
+    assert code == 0, err
+    if source == "gguf":  # a width it cannot be stored at: the build's own refusal
+        code, _, refused = main_inproc(capsys, "plan", target, "--weights", "int8")
+        assert code == 2 and refused.startswith("error: --weights int8: GGUF block type Q3_K")
+    planned = json.loads(out)["weights_bytes"]
+    code, out, _ = main_inproc(capsys, "inspect", str(art), "--json")
+    built = json.loads(out)["weights"]["bytes"]
+    blocks = {p: n for p, n in built.items() if p.startswith("int")}
+    assert {p: n for p, n in planned.items() if p.startswith("int")} == blocks
+    assert planned["fp32"] > 0  # norms and biases (an exporter shares equal ones: not exact)
+    code, out, _ = main_inproc(capsys, "plan", target, "--weights", weights)
+    assert f"weights (--weights {weights}): " in out

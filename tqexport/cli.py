@@ -211,12 +211,14 @@ def plan(
     dtype: Annotated[
         str | None, typer.Option(help="Model dtype (default: the config's, else float32).")
     ] = None,
+    weights: WeightsOption = DEFAULT_WEIGHTS,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the per-layer spec as JSON.")
     ] = False,
     vllm_args: VllmArgsOption = False,
 ):
-    """Print the per-layer cache plan of MODEL from its config alone (no weights loaded)."""
+    """Print the per-layer cache plan of MODEL and what its weights would take, from its config
+    (a GGUF: its tensor index) alone: no weights loaded."""
     from tqexport.kv_layers import covered, parse_kv_layers
     from tqexport.models.config import describe_model
     from tqexport.resolve import resolve
@@ -224,7 +226,7 @@ def plan(
 
     if as_json and vllm_args:
         raise TQExportError("--json and --vllm-args each choose what is printed; give one")
-    request = _build_request(ctx, model, dtype=dtype)
+    request = _build_request(ctx, model, dtype=dtype, weights=weights)
     kv_layers, kinds = request.kv_layers, request.key_transform
     desc = describe_model(model, dtype)
     res = resolve(desc, request)
@@ -232,8 +234,9 @@ def plan(
         _warn(w)
     spec = res.spec
     own = covered(parse_kv_layers(kv_layers), len(spec.layers)) if kv_layers else {}
+    planned = _planned_weights(model, request) if not vllm_args else None
     if as_json:
-        print(json.dumps(spec.plan_dict(), indent=2))
+        print(json.dumps({**spec.plan_dict(), "weights_bytes": planned}, indent=2))
         return
     if vllm_args:
         _print_vllm_command(spec, model)
@@ -290,6 +293,16 @@ def plan(
     )
     if any(la.skipped_by == "turboquant boundary" for la in spec.layers):
         console.print("TurboQuant boundary layers stay unquantized; --no-boundary quantizes them.")
+    parts = ", ".join(f"{p} {fmt_bytes(n)}" for p, n in planned.items())
+    console.print(f"weights (--weights {weights}): {parts}")
+
+
+def _planned_weights(model: str, request: BuildRequest) -> dict[str, int]:
+    """What the build's weights would take by precision, largest first."""
+    from tqexport.export.source import BuildSource
+
+    sizes = BuildSource(model, request).planned_weight_bytes()
+    return dict(sorted(sizes.items(), key=lambda kv: -kv[1]))
 
 
 @app.command(cls=Command)

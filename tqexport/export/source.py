@@ -93,6 +93,17 @@ class BuildSource:
             return self.export.bytes_estimate + dense_bytes(self.export.model)
         return dense_bytes(self.lm.model)
 
+    def planned_weight_bytes(self) -> dict[str, int]:
+        """What the artifact's weights would take by precision (``plan``), from the GGUF's
+        tensor index or the model's shapes alone: no weight is loaded."""
+        from tqexport.weights.estimate import gguf_bytes, model_bytes
+
+        self.check()
+        dtype = self.description.dtype
+        if self.gguf:
+            return gguf_bytes(source_path(self.name), self.request.weights, self.blocks, dtype)
+        return model_bytes(self.config, self.request.weights, dtype)
+
     def reference_model(self) -> LoadedModel:
         """The float model holding the weights this request stores, dequantized: what the
         artifact's torch reference computes with (``bench quality`` on a MODEL)."""
