@@ -376,6 +376,24 @@ def test_engine_without_tensorrt_is_one_line_exit_2(artifacts):
     assert not (path / "engine.plan").exists()
 
 
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_engine_refuses_block_weights_in_one_line_before_tensorrt(artifacts, capsys, weights):
+    """Blocks are refused before TensorRT is looked for, naming the rebuild that works;
+    float16 weights pass the check."""
+    from helpers import main_inproc
+
+    from tqexport.contract.artifact import open_artifact
+    from tqexport.export.trt import check_weights
+
+    path = artifacts("tiny-llama", "fp8", weights=weights)
+    code, _, err = main_inproc(capsys, "engine", str(path))
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("error: engine: this artifact stores 44 matrices in integer blocks (")
+    assert err.rstrip().endswith("rebuild with --weights fp16 (or fp32)")
+    assert not (path / "engine.plan").exists()
+    check_weights(open_artifact(artifacts("tiny-llama", "fp8", weights="fp16")).spec)
+
+
 def test_trt_backend_needs_an_engine(artifacts):
     from tqexport.contract.artifact import open_artifact
     from tqexport.runtime.backends.trt import torch_dtype_of

@@ -30,6 +30,20 @@ def check_layers(spec: ModelSpec) -> None:
         codec_of({**cache_write_attrs(layer.cache), "layer": layer.index})
 
 
+def check_weights(spec: ModelSpec) -> None:
+    """Refuse (one line) an artifact whose matrices are stored in blocks: TensorRT's blocked
+    dequantize takes only INT4 codes with strictly positive scales, which a GGUF's blocks do not
+    promise, and no engine of that form has been built and checked yet."""
+    w = spec.weights
+    blocked = [t for t in (w.tensors if w is not None else ()) if t.block_size is not None]
+    if blocked:
+        raise TQExportError(
+            f"engine: this artifact stores {len(blocked)} matrices in integer blocks "
+            f"({w.summary()}); TensorRT engines are built from float weights for now: rebuild "
+            "with --weights fp16 (or fp32)"
+        )
+
+
 def node_attributes(node: onnx.NodeProto) -> dict:
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     return {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
@@ -87,6 +101,7 @@ def build_engine(artifact_dir: str | Path, max_batch: int, max_tokens: int, max_
     """Write ``engine.plan`` (and its profile limits, ``engine.json``) into the artifact."""
     art = open_artifact(artifact_dir)
     check_layers(art.spec)
+    check_weights(art.spec)
     shapes = profile_shapes(art.spec, max_batch, max_tokens, max_blocks)
     trt = require_tensorrt()
     require_gpu()
