@@ -184,7 +184,7 @@ def test_requested_dtype_is_provenance_only():
     spec = resolve(dense(6), BuildRequest("fp8_e5m2", ["1"])).spec
     assert spec.request == BuildRequest("fp8_e5m2", ("1",))
     recorded = {"kv_cache_dtype": "fp8_e5m2", "skip_layers": ["1"], "boundary": True}
-    assert spec.request.to_dict() == recorded | {"kv_scales": "1.0", "opset": 21}
+    assert spec.request.to_dict() == recorded | {"kv_scales": "1.0", "opset": 21, "weights": "auto"}
     assert dtypes_of(spec) == ["fp8_e5m2", "auto", "fp8_e5m2", "fp8_e5m2", "fp8_e5m2", "fp8_e5m2"]
 
 
