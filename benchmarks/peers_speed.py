@@ -61,11 +61,11 @@ GENAI_EXTRA = {"int4": ["--extra_options", "int4_accuracy_level=4", "int4_block_
 def hf_dir(model: str, out: Path) -> Path:
     """The HF checkpoint tqexport loads for MODEL (GGUF converted and cached), as a directory
     GenAI's builder reads (it needs ``architectures`` in config.json)."""
-    from tqexport.models import builtins, loader
+    from tqexport.models import builtins, cache, loader
 
     loader.load_model(model)  # converts and caches a GGUF once
     gguf = model in builtins.GGUF_BUILTINS
-    src = loader.gguf_cache(builtins.builtin_gguf(model)) if gguf else Path(model)
+    src = cache.gguf_cache(builtins.builtin_gguf(model)) if gguf else Path(model)
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.name != "config.json" and not (out / f.name).exists():

@@ -627,10 +627,10 @@ def test_open_genai_keeps_the_part_of_the_overlay_genai_takes(monkeypatch):
 def test_peers_speed_gives_genai_the_converted_checkpoint_of_a_gguf_builtin(tmp_path):
     """GenAI's builder reads the HF directory tqexport converted SmolLM2's GGUF into: its files
     linked, config.json with the architecture the builder needs."""
-    from tqexport.models import builtins, loader
+    from tqexport.models import builtins, cache
 
     out = _peers_speed().hf_dir("smollm2", tmp_path / "hf")
-    src = loader.gguf_cache(builtins.builtin_gguf("smollm2"))
+    src = cache.gguf_cache(builtins.builtin_gguf("smollm2"))
     assert sorted(f.name for f in out.iterdir()) == sorted(f.name for f in src.iterdir())
     assert all((out / f.name).resolve() == f.resolve() for f in src.iterdir()
                if f.name != "config.json")  # fmt: skip

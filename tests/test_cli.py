@@ -921,12 +921,12 @@ def test_torch_backend_source_gguf_truncated_is_one_line(served, capsys, tmp_pat
     import onnx
 
     from tqexport.contract.files import MODEL_FILE, SPEC_FILE, set_spec_metadata
-    from tqexport.spec import ModelSpec
+    from tqexport.spec import spec_from_json
 
     gguf_path = tmp_path / "source.gguf"
     gguf_path.write_bytes(gguf_bytes[:100])
     art = served()
-    spec = ModelSpec.from_json((art / SPEC_FILE).read_text())
+    spec = spec_from_json((art / SPEC_FILE).read_text())
     spec = dataclasses.replace(spec, model={**spec.model, "path": str(gguf_path)})
     graph = onnx.load(str(art / MODEL_FILE), load_external_data=False)
     set_spec_metadata(graph, spec)

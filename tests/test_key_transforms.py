@@ -15,7 +15,14 @@ from tqexport.kvquant import transforms
 from tqexport.kvquant.transforms import KeyStats, KeyTransform, fit, parse_key_transform
 from tqexport.models.loader import load_model
 from tqexport.resolve import ResolveError, resolve
-from tqexport.spec import BuildRequest, LayerSpec, ModelSpec, SpecError, cache_spec
+from tqexport.spec import (
+    BuildRequest,
+    LayerSpec,
+    SpecError,
+    cache_spec,
+    layer_from_dict,
+    spec_from_json,
+)
 
 
 def test_parse_key_transform_orders_kinds_and_refuses_typos():
@@ -124,7 +131,7 @@ def _layer(kind="tqx_k4v4", softcap=None, kt=None):
 def test_the_spec_round_trips_a_transform_and_refuses_what_is_not_exact_or_native():
     kt = _random_transform(("center", "smooth", "signs"), 2, 64, 1)
     d = _layer(kt=kt).to_dict()
-    assert LayerSpec.from_dict(d, 0).key_transform == kt
+    assert layer_from_dict(d, 0).key_transform == kt
     assert "key_transform" not in _layer().to_dict()  # vLLM-compatible layers stay as they were
     cases = [
         (_layer("turboquant_4bit_nc").to_dict() | {"key_transform": d["key_transform"]},
@@ -138,7 +145,7 @@ def test_the_spec_round_trips_a_transform_and_refuses_what_is_not_exact_or_nativ
     ]  # fmt: skip
     for bad, why in cases:
         with pytest.raises(SpecError, match=why):
-            LayerSpec.from_dict(bad, 0)
+            layer_from_dict(bad, 0)
 
 
 def test_resolve_refuses_transforms_on_vllm_names_and_centering_under_softcap():
@@ -174,7 +181,7 @@ def test_build_stores_fitted_transforms_that_the_graph_and_parity_follow(tmp_pat
     options = BuildRequest(kv_cache_dtype="tqx_k4v4", recent_window=4,
                            key_transform="center+smooth+signs", calibration_text=text)  # fmt: skip
     result = build_artifact("tiny-llama", out, options)
-    spec = ModelSpec.from_json((out / "tqexport.json").read_text())
+    spec = spec_from_json((out / "tqexport.json").read_text())
     assert spec.request.key_transform_label == "center+smooth+signs"
     for la in spec.layers:
         assert (la.key_transform is not None) == la.mode.is_quantized

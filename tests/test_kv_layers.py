@@ -11,7 +11,7 @@ from tqexport.contract.artifact import open_artifact
 from tqexport.errors import ResolveError
 from tqexport.kv_layers import parse_kv_layers
 from tqexport.resolve import resolve
-from tqexport.spec import BuildRequest, ModelSpec, SpecError
+from tqexport.spec import BuildRequest, SpecError, spec_from_dict, spec_from_json
 
 
 def dtypes_of(spec):
@@ -27,7 +27,7 @@ def test_ranges_give_each_layer_its_dtype_window_and_sinks():
     assert [la.skipped_by for la in spec.layers] == [None] * 6
     assert spec.request.kv_layers == "0:auto,1-3:tqx_k4v2_mse:w8:s2,4-5:fp8"
     assert res.warnings == ()
-    assert ModelSpec.from_json(spec.to_json()).to_dict() == spec.to_dict()
+    assert spec_from_json(spec.to_json()).to_dict() == spec.to_dict()
 
 
 def test_left_out_layers_get_the_global_dtype_skips_boundary_and_window():
@@ -47,7 +47,7 @@ def test_left_out_layers_get_the_global_dtype_skips_boundary_and_window():
         "--kv-layers leaves layers 0-3, 6-7 out: they get --kv-cache-dtype turboquant_4bit_nc "
         "(give them an entry to choose otherwise)",
     )
-    assert ModelSpec.from_json(spec.to_json()).to_dict() == spec.to_dict()
+    assert spec_from_json(spec.to_json()).to_dict() == spec.to_dict()
 
 
 def test_global_window_and_sinks_reach_ranges_without_their_own_and_sliding_caps():
@@ -122,15 +122,15 @@ def test_spec_refuses_layers_that_do_not_fit_its_kv_layers():
     d["request"]["kv_layers"] = "0-1:fp8:w4,2:fp8"
     with pytest.raises(SpecError, match="layer 2: kv_cache_dtype 'nvfp4' and skipped_by null do "
                        "not fit the request's kv_layers entry '2:fp8'; rebuild"):  # fmt: skip
-        ModelSpec.from_dict(d)
+        spec_from_dict(d)
     d["request"]["kv_layers"] = "0-1:fp8:w8,2:nvfp4"
     want = r"layer 0: recent window 4 but the request \(kv_layers entry '0-1:fp8:w8', "
     with pytest.raises(SpecError, match=want + r"recent_window 0, sink_tokens 0\) gives 8"):
-        ModelSpec.from_dict(d)
+        spec_from_dict(d)
     d["request"]["kv_layers"] = "0-9:fp8"
     with pytest.raises(SpecError, match="field 'kv_layers': --kv-layers 0-9:fp8: layer 9 is "
                        "outside the model"):  # fmt: skip
-        ModelSpec.from_dict(d)
+        spec_from_dict(d)
 
 
 def test_plan_shows_the_ranges_and_warns_about_the_rest(capsys):
@@ -238,4 +238,4 @@ def test_key_transforms_go_to_the_quantized_ranges_only():
         key_transforms=fitted,
     ).spec
     assert [la.key_transform is not None for la in spec.layers] == [True, True, False, False]
-    assert ModelSpec.from_json(spec.to_json()).to_dict() == spec.to_dict()
+    assert spec_from_json(spec.to_json()).to_dict() == spec.to_dict()

@@ -22,7 +22,7 @@ from tqexport.ops import reference
 from tqexport.resolve import ResolveError, resolve
 from tqexport.runtime.executor import Executor
 from tqexport.runtime.sequence import SamplingParams
-from tqexport.spec import BuildRequest, ModelSpec, SpecError
+from tqexport.spec import BuildRequest, SpecError, spec_from_dict, spec_from_json
 from tqexport.verify.parity import run_parity
 
 
@@ -59,11 +59,11 @@ def test_plan_gives_each_quantized_layer_a_recent_cache_in_its_own_group():
     assert la.page_size_bytes == la.cache.page_size_bytes + 16 * 2 * 64 * 4 * 2
     names = [x["name"] for x in spec.graph_io()["inputs"]]
     assert names.index("cache.1.recent_k") == names.index("cache.1.v") + 1
-    assert ModelSpec.from_json(spec.to_json()) == spec
+    assert spec_from_json(spec.to_json()) == spec
     d = json.loads(spec.to_json())
     d["layers"][1]["recent"]["window"] = 16
     with pytest.raises(SpecError, match="recent-window group"):
-        ModelSpec.from_dict(d)
+        spec_from_dict(d)
     with pytest.raises(TQExportError, match="--kv-recent-window must be from 0 to 1048576, got -1"):
         BuildRequest("fp8", recent_window=-1)
     with pytest.raises(ResolveError, match="--kv-recent-window 8 has no effect: --kv-cache-dtype"):

@@ -13,7 +13,13 @@ from tqexport.models.config import describe_model
 from tqexport.models.loader import load_model
 from tqexport.resolve import ResolveError, resolve
 from tqexport.runtime.blocks import NULL_BLOCK, GroupAllocator
-from tqexport.spec import BuildRequest, CacheGroup, ModelSpec, SpecError
+from tqexport.spec import (
+    BuildRequest,
+    CacheGroup,
+    SpecError,
+    spec_from_dict,
+    spec_from_json,
+)
 
 TOKENS = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(7)).tolist()
 
@@ -33,24 +39,24 @@ def test_spec_records_sinks_per_layer_and_group_and_refuses_what_does_not_fit():
     assert [(g.window, g.sink_tokens) for g in spec.groups if g.recent] == [(8, 4), (32, 4)]
     assert spec.request.sink_tokens == 4 and spec.sink_tokens == 4
     assert spec.graph_io() == plain.graph_io()  # the sinks live in the recent caches
-    assert ModelSpec.from_json(spec.to_json()) == spec
+    assert spec_from_json(spec.to_json()) == spec
     d = json.loads(spec.to_json())
     assert d["layers"][1]["recent"]["sink_tokens"] == 4 and d["groups"][-1]["sink_tokens"] == 4
     bad = json.loads(spec.to_json())
     bad["layers"][1]["recent"]["sink_tokens"] = 2
     with pytest.raises(SpecError, match="recent-window group with its window and sink tokens"):
-        ModelSpec.from_dict(bad)
+        spec_from_dict(bad)
     bad = json.loads(spec.to_json())
     bad["groups"][0]["sink_tokens"] = 4
     with pytest.raises(SpecError, match="'sink_tokens' belongs to a recent-window group only"):
-        ModelSpec.from_dict(bad)
+        spec_from_dict(bad)
     bad = json.loads(plain.to_json())
     bad["request"]["sink_tokens"] = 4
     with pytest.raises(SpecError, match="1: 0 sink tokens but the request"):
-        ModelSpec.from_dict(bad)
+        spec_from_dict(bad)
     bad["request"].pop("recent_window")
     with pytest.raises(SpecError, match="'sink_tokens' needs a recent_window"):
-        ModelSpec.from_dict(bad)
+        spec_from_dict(bad)
     with pytest.raises(ResolveError, match="--kv-sink-tokens 4 needs --kv-recent-window >= 1"):
         resolve(desc, BuildRequest("fp8", sink_tokens=4))
     with pytest.raises(TQExportError, match="--kv-sink-tokens must be from 0 to 1024, got -1"):

@@ -18,6 +18,8 @@ from tqexport.spec import (
     SlidingWindowSpec,
     SpecError,
     cache_spec,
+    spec_from_dict,
+    spec_from_json,
 )
 
 TQ = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]
@@ -70,23 +72,23 @@ def test_turboquant_spec_always_has_its_mode():
     bad = json.loads(json.dumps(data))
     bad["layers"][1]["kv_cache_dtype"] = "auto"
     with pytest.raises(SpecError, match="inconsistent"):
-        ModelSpec.from_dict(bad)
+        spec_from_dict(bad)
     bad = json.loads(json.dumps(data))
     bad["layers"][2]["quant_mode"] = "NONE"
     with pytest.raises(SpecError, match="'quant_mode'"):
-        ModelSpec.from_dict(bad)
+        spec_from_dict(bad)
 
 
 def test_unknown_schema_version_is_refused():
     data = resolve(describe([None] * 2), BuildRequest("fp8")).spec.to_dict()
     data["schema_version"] = SCHEMA_VERSION + 1
     with pytest.raises(SpecError, match=f"schema version {SCHEMA_VERSION + 1}"):
-        ModelSpec.from_dict(data)
+        spec_from_dict(data)
     del data["schema_version"]
     with pytest.raises(SpecError, match="schema version None"):
-        ModelSpec.from_dict(data)
+        spec_from_dict(data)
     with pytest.raises(SpecError, match="not valid JSON"):
-        ModelSpec.from_json("{nope")
+        spec_from_json("{nope")
 
 
 def test_spec_json_fields():
@@ -170,7 +172,7 @@ def _stores(name: str, head: int) -> bool:
 @given(model_specs())
 def test_spec_json_round_trip(spec):
     text = spec.to_json()
-    back = ModelSpec.from_json(text)
+    back = spec_from_json(text)
     assert back == spec
     assert back.to_json() == text
     for a, b in zip(spec.layers, back.layers, strict=True):
@@ -320,10 +322,10 @@ BAD_FIELDS = [
 @pytest.mark.parametrize("edit,message", BAD_FIELDS)
 def test_loader_checks_every_field(edit, message):
     data = _artifact_like()
-    assert ModelSpec.from_dict(json.loads(json.dumps(data))).to_dict() == data
+    assert spec_from_dict(json.loads(json.dumps(data))).to_dict() == data
     edit(data)
     with pytest.raises(SpecError, match=message) as e:
-        ModelSpec.from_dict(data)
+        spec_from_dict(data)
     assert len(str(e.value).splitlines()) == 1
 
 
@@ -344,7 +346,7 @@ def test_loader_checks_recent_windows(edit, message):
     assert [g.get("recent", False) for g in data["groups"]] == [False, False, True, True]
     edit(data)
     with pytest.raises(SpecError, match=message) as e:
-        ModelSpec.from_dict(data)
+        spec_from_dict(data)
     assert len(str(e.value).splitlines()) == 1
 
 
@@ -367,7 +369,7 @@ def test_loader_checks_recent_windows(edit, message):
 )
 def test_spec_text_is_parsed_strictly(raw, message):
     with pytest.raises(SpecError, match=message) as e:
-        ModelSpec.from_json(raw)
+        spec_from_json(raw)
     assert len(str(e.value).splitlines()) == 1
 
 
@@ -378,7 +380,7 @@ def test_deeply_nested_values_are_refused_not_recursed():
         deep = [deep]
     data["layers"][0]["tensors"] = deep
     with pytest.raises(SpecError, match="'tensors' is a list of 1 item but"):
-        ModelSpec.from_dict(data)
+        spec_from_dict(data)
 
 
 def test_head_size_bound_is_checked_before_any_table_is_built():

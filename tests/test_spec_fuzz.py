@@ -25,7 +25,7 @@ from tqexport.errors import TQExportError
 from tqexport.export.artifact import resolve_spec
 from tqexport.models.config import describe_model
 from tqexport.resolve import resolve
-from tqexport.spec import BuildRequest, ModelSpec, SpecError
+from tqexport.spec import BuildRequest, ModelSpec, SpecError, spec_from_json
 
 SEED = 13
 MUTATIONS_PER_BASE = 150
@@ -165,16 +165,16 @@ def mutate(raw: bytes, rng: random.Random) -> tuple[str, bytes]:
 def load(raw: bytes) -> ModelSpec | str:
     """The loaded spec (checked to round-trip), or the one-line message it was refused with."""
     try:
-        spec = ModelSpec.from_json(raw)
+        spec = spec_from_json(raw)
     except TQExportError as e:
         message = str(e)
         assert isinstance(e, SpecError), type(e)
         assert message and len(message.splitlines()) == 1, message
         return message
     text = spec.to_json()
-    back = ModelSpec.from_json(text)
+    back = spec_from_json(text)
     assert back == spec and back.to_json() == text
-    assert ModelSpec.from_json(text.encode()) == spec
+    assert spec_from_json(text.encode()) == spec
     return spec
 
 

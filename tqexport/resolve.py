@@ -16,9 +16,9 @@ from tqexport.kv_layers import OPTION as KV_LAYERS
 from tqexport.kv_layers import covered, layer_recent, parse_kv_layers, spans
 from tqexport.kvquant.modes import parse_kv_cache_dtype
 from tqexport.kvquant.transforms import KeyTransform, key_transform_label, refusal
+from tqexport.models.description import ModelDescription
 from tqexport.skip_layers import parse_skip_patterns
 from tqexport.spec import (
-    AttentionType,
     BuildRequest,
     LayerSpec,
     ModelSpec,
@@ -31,50 +31,6 @@ UNQUANTIZED = "auto"
 #: vLLM protects the first and last 2 attention layers of dense models for every TurboQuant preset
 #: (``TurboQuantConfig.get_boundary_skip_layers``: at most ``L // 2`` on each side).
 TURBOQUANT_BOUNDARY_LAYERS = 2
-
-
-@dataclass(frozen=True)
-class AttentionLayer:
-    """One attention layer as the model config describes it (no weights needed)."""
-
-    index: int
-    module: str
-    window: int | None
-    num_kv_heads: int
-    head_size: int
-    scale: float
-    softcap: float | None = None
-
-    @property
-    def attention_type(self) -> AttentionType:
-        return AttentionType.FULL if self.window is None else AttentionType.SLIDING_WINDOW
-
-
-@dataclass(frozen=True)
-class ModelDescription:
-    """What resolution needs to know about a model."""
-
-    name: str
-    architecture: str
-    dtype: str
-    num_heads: int
-    layers: tuple[AttentionLayer, ...]
-    config_digest: str = ""
-    source: str = ""
-    vocab_size: int = 0
-    #: weights estimated from the config (0: unknown); what loading them takes is checked
-    parameters: int = 0
-
-    def identity(self) -> dict:
-        return {
-            "name": self.name,
-            "architecture": self.architecture,
-            "source": self.source,
-            "config_digest": self.config_digest,
-            "num_layers": len(self.layers),
-            "num_heads": self.num_heads,
-            "vocab_size": self.vocab_size,
-        }
 
 
 def turboquant_boundary(

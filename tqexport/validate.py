@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import re
 import struct
 import unicodedata
 from pathlib import Path
@@ -233,3 +234,34 @@ def text_file(path: Path, option: str) -> str:
 def prompts_file(path: Path) -> list[str]:
     """The non-blank lines of a UTF-8 prompts file, or one error naming the file."""
     return [ln for ln in text_file(path, "--prompts-file").splitlines() if ln.strip()]
+
+
+#: the KV budget when neither a block count nor a memory size is given
+DEFAULT_KV_CACHE_MEMORY = "512MiB"
+#: what ``--kv-cache-memory`` and other sizes accept, in bytes per unit
+MEMORY_UNITS = {
+    "": 1,
+    "B": 1,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+}
+
+
+def parse_memory(text: str, option: str = "--kv-cache-memory") -> int:
+    """'512MiB' -> bytes (a positive size); ``option`` names the flag in the error."""
+    m = re.fullmatch(r"\s*(\d{1,15}(?:\.\d{1,15})?)\s*([KMGT]i?B|B)?\s*", str(text), re.I)
+    if not m:
+        raise TQExportError(
+            f"{option}: cannot read {str(text)!r}; write e.g. 512MiB or 2GiB (units B, KiB, MiB, "
+            "GiB, TiB, KB, MB, GB, TB)"
+        )
+    n = int(float(m[1]) * MEMORY_UNITS[(m[2] or "").upper()])
+    if n < 1:
+        raise TQExportError(f"{option} must be a positive size, got {text!r}")
+    return n

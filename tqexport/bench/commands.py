@@ -15,10 +15,9 @@ from tqexport.bench import matrix
 from tqexport.console import console, err, progress
 from tqexport.errors import TQExportError
 from tqexport.options import CalibrationOption, Command, SkipOption, WeightsOption, given
-from tqexport.runtime.config import DEFAULT_KV_CACHE_MEMORY
 from tqexport.spec import BuildRequest
 from tqexport.spec.request import DEFAULT_WEIGHTS
-from tqexport.validate import printable
+from tqexport.validate import DEFAULT_KV_CACHE_MEMORY, printable
 
 bench_app = typer.Typer(
     help="Quality (perplexity, KL, top-1 vs llama.cpp) and speed benchmarks.",

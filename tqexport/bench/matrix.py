@@ -239,7 +239,7 @@ def plan_speed(target, dtypes, contexts, batches, steps, budget, workdir, recent
     from tqexport.bench import speed
     from tqexport.contract.artifact import open_artifact
     from tqexport.kvquant.modes import parse_kv_cache_dtype
-    from tqexport.runtime.memory import parse_memory
+    from tqexport.validate import parse_memory
 
     ctx, bat, windows = speed_args(contexts, batches, steps, recent)
     parse_memory(budget, "--budget")

@@ -23,10 +23,10 @@ from tqexport.contract.artifact import Artifact, open_artifact
 from tqexport.contract.steps import SeqChunk, build_step
 from tqexport.errors import TQExportError
 from tqexport.runtime.backends.ort import OrtBackend, session_summary
-from tqexport.runtime.config import DEFAULT_KV_CACHE_MEMORY
-from tqexport.runtime.memory import parse_memory, resolve_num_blocks
+from tqexport.runtime.memory import resolve_num_blocks
 from tqexport.spec import BuildRequest
 from tqexport.spec.request import DEFAULT_WEIGHTS
+from tqexport.validate import DEFAULT_KV_CACHE_MEMORY, parse_memory
 
 
 def artifact_for(model: str, kv_cache_dtype: str, workdir: Path, recent_window: int = 0,

@@ -17,7 +17,7 @@ from tqexport.contract.files import (
     read_spec_metadata,
 )
 from tqexport.errors import TQExportError
-from tqexport.spec import MAX_SPEC_BYTES, ModelSpec, SpecError, parse_spec_json
+from tqexport.spec import MAX_SPEC_BYTES, ModelSpec, SpecError, parse_spec_json, spec_from_dict
 
 #: digits of an external-data offset or length (2^64 has 20)
 _MAX_OFFSET_DIGITS = 20
@@ -50,7 +50,7 @@ def open_artifact(path: str | Path) -> Artifact:
         raise TQExportError(f"{root} has no {SPEC_FILE}; is it a tqexport artifact?")
     try:
         data = parse_spec_json(raw)
-        spec = ModelSpec.from_dict(data)
+        spec = spec_from_dict(data)
     except SpecError as e:
         raise TQExportError(f"{spec_file}: {e}") from None
     model_file = root / MODEL_FILE

@@ -26,7 +26,7 @@ from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 
 from tqexport.kvquant.codecs import MODEL_DTYPES, codec_for, torch_dtype
-from tqexport.models.loader import cache_dir
+from tqexport.models.cache import cache_dir
 from tqexport.ops import reference
 from tqexport.ops.attributes import CACHE_WRITE, DOMAIN
 from tqexport.safe_files import write_file

@@ -12,8 +12,8 @@ from functools import cached_property
 
 from tqexport.errors import TQExportError
 from tqexport.models.config import describe_config, load_config
+from tqexport.models.description import ModelDescription
 from tqexport.models.loader import LoadedModel, load_model, load_tokenizer, source_path
-from tqexport.resolve import ModelDescription
 from tqexport.spec import BuildRequest
 from tqexport.weights.export import ExportWeights, dense_bytes, from_gguf, from_model
 from tqexport.weights.gguf_source import check_types

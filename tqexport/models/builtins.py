@@ -143,7 +143,7 @@ def _chunk_path(module: str, file: str) -> Path | None:
 def chunked_gguf(name: str) -> Path:
     """Built-in NAME's GGUF, joined from its chunk wheels into the tqexport cache the first time
     (written aside, then renamed once its SHA-256 matches: a file there was checked)."""
-    from tqexport.models.loader import cache_dir
+    from tqexport.models.cache import cache_dir
 
     entry = CHUNKED_GGUFS[name]
     paths = [_chunk_path(m, f) for m, f in entry.chunks]

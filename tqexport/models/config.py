@@ -10,7 +10,7 @@ from pathlib import Path
 from tqexport.errors import TQExportError
 from tqexport.kvquant.codecs import MAX_HEAD_SIZE
 from tqexport.models import builtins
-from tqexport.resolve import AttentionLayer, ModelDescription
+from tqexport.models.description import AttentionLayer, ModelDescription
 from tqexport.safe_files import write_file
 from tqexport.spec import (
     MAX_HEADS,
@@ -138,7 +138,7 @@ def _gguf_config_dict(path: Path) -> dict:
     minutes), the config is a few hundred bytes."""
     from transformers import PretrainedConfig
 
-    from tqexport.models.loader import gguf_cache
+    from tqexport.models.cache import gguf_cache
 
     target = gguf_cache(path)
     kept = target.with_name(f"{target.name}.config.json")

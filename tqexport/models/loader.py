@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
 import pickle
 import shutil
 from contextlib import contextmanager
@@ -16,8 +14,9 @@ from tqexport import validate
 from tqexport.errors import TQExportError
 from tqexport.kvquant.codecs import MODEL_DTYPES
 from tqexport.models import builtins
+from tqexport.models.cache import gguf_cache
 from tqexport.models.config import describe_config, load_config
-from tqexport.resolve import ModelDescription
+from tqexport.models.description import ModelDescription
 from tqexport.safe_files import make_temp_dir
 
 TINY_SEED = 0
@@ -29,19 +28,6 @@ class LoadedModel:
     description: ModelDescription
     tokenizer: object | None  # a transformers tokenizer, or None for tiny random models
     generation_config: object | None
-
-
-def cache_dir() -> Path:
-    """Where converted GGUF weights are kept (``TQEXPORT_CACHE`` overrides)."""
-    base = os.environ.get("TQEXPORT_CACHE") or Path.home() / ".cache" / "tqexport"
-    return Path(base)
-
-
-def gguf_cache(path: Path) -> Path:
-    """Where GGUF file PATH's converted weights are kept (keyed by its path, size, mtime)."""
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
-    return cache_dir() / "gguf" / f"{path.stem}-{key[:12]}"
 
 
 @contextmanager

@@ -11,15 +11,13 @@ from tqexport import validate
 from tqexport.errors import TQExportError
 from tqexport.native import KERNEL_CHOICES
 
-#: the KV budget when neither ``num_blocks`` nor ``kv_cache_memory`` is given
-DEFAULT_KV_CACHE_MEMORY = "512MiB"
-
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Every serving setting, checked when made; the command line takes its defaults from here.
 
-    ``num_blocks`` or ``kv_cache_memory`` sizes the caches (neither: DEFAULT_KV_CACHE_MEMORY);
+    ``num_blocks`` or ``kv_cache_memory`` sizes the caches (neither:
+    ``validate.DEFAULT_KV_CACHE_MEMORY``);
     ``threads`` is ONNX Runtime's intra-op thread count (None: its default)."""
 
     backend: str = "ort"
@@ -43,9 +41,7 @@ class EngineConfig:
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise TQExportError("give --num-blocks or --kv-cache-memory, not both")
         if self.kv_cache_memory is not None:
-            from tqexport.runtime.memory import parse_memory
-
-            parse_memory(self.kv_cache_memory)
+            validate.parse_memory(self.kv_cache_memory)
         if self.threads is not None:
             validate.integer(self.threads, "--threads", 1)
             if self.backend != "ort":
@@ -69,7 +65,7 @@ class EngineConfig:
         """The KV budget in effect (None when ``num_blocks`` sizes the caches)."""
         if self.num_blocks is not None:
             return None
-        return self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        return self.kv_cache_memory or validate.DEFAULT_KV_CACHE_MEMORY
 
     def group_blocks(
         self, artifact, memory_limit: int | None = None, context: int | None = None

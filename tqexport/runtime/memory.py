@@ -3,41 +3,11 @@ count or a byte budget, and what every layer's caches then take (``inspect`` pri
 
 from __future__ import annotations
 
-import re
-
 from tqexport import validate
 from tqexport.contract.artifact import Artifact
 from tqexport.errors import TQExportError
 from tqexport.kvquant.transforms import key_transform_label
-from tqexport.runtime.config import DEFAULT_KV_CACHE_MEMORY
 from tqexport.spec import ModelSpec
-
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-}
-
-
-def parse_memory(text: str, option: str = "--kv-cache-memory") -> int:
-    """'512MiB' -> bytes (a positive size); ``option`` names the flag in the error."""
-    m = re.fullmatch(r"\s*(\d{1,15}(?:\.\d{1,15})?)\s*([KMGT]i?B|B)?\s*", str(text), re.I)
-    if not m:
-        raise TQExportError(
-            f"{option}: cannot read {str(text)!r}; write e.g. 512MiB or 2GiB (units B, KiB, MiB, "
-            "GiB, TiB, KB, MB, GB, TB)"
-        )
-    n = int(float(m[1]) * _UNITS[(m[2] or "").upper()])
-    if n < 1:
-        raise TQExportError(f"{option} must be a positive size, got {text!r}")
-    return n
 
 
 def _fmt_size(n: int) -> str:
@@ -82,13 +52,13 @@ def resolve_num_blocks(
     if num_blocks is not None and memory is not None:
         raise TQExportError("give --num-blocks or --kv-cache-memory, not both")
     validate.serving(num_blocks, max_num_seqs, max_num_batched_tokens)
-    budget = parse_memory(memory) if memory is not None else None
+    budget = validate.parse_memory(memory) if memory is not None else None
     step = max_num_batched_tokens
     cap = {g.id: g.max_blocks(max_num_seqs, step) for g in spec.groups if g.window is not None}
     recent = {g.id: cap[g.id] for g in spec.groups if g.bounded}
     recent_bytes = sum(n * spec.group_block_bytes(spec.groups[g]) for g, n in recent.items())
     if num_blocks is None:
-        budget = budget or parse_memory(DEFAULT_KV_CACHE_MEMORY)
+        budget = budget or validate.parse_memory(validate.DEFAULT_KV_CACHE_MEMORY)
         num_blocks, windowed = _split(spec, max(0, budget - recent_bytes), cap, context,
                                       max_num_seqs, step)  # fmt: skip
         num_blocks = min(num_blocks, validate.MAX_NUM_BLOCKS)

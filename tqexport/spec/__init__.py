@@ -37,11 +37,15 @@ from tqexport.spec.limits import (
     SCHEMA_VERSION,
     SpecError,
 )
+from tqexport.spec.load import layer_from_dict, spec_from_dict, spec_from_json
 from tqexport.spec.model import ModelSpec, config_digest
 from tqexport.spec.reading import parse_spec_json
 from tqexport.spec.request import DEFAULT_OPSET, BuildRequest, parse_kv_scales
 
 __all__ = [
+    "layer_from_dict",
+    "spec_from_dict",
+    "spec_from_json",
     "DEFAULT_OPSET",
     "INCONSISTENT",
     "MAX_GROUPS",

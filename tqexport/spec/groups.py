@@ -70,13 +70,6 @@ class CacheGroup:
             | ({"sink_tokens": self.sink_tokens} if self.sink_tokens else {})
         )
 
-    @classmethod
-    def from_dict(cls, d: Any, position: int | None = None) -> CacheGroup:
-        """A group from its ``to_dict`` form, checked (``load.group_from_dict``)."""
-        from tqexport.spec.load import group_from_dict
-
-        return group_from_dict(d, position)
-
 
 def build_groups(
     windows: dict[int, int | None],

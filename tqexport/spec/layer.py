@@ -161,10 +161,3 @@ class LayerSpec:
             "bytes_per_token_head": r.bytes_per_token_head,
             "page_size_bytes": r.page_size_bytes,
         } | ({"sink_tokens": self.sink_tokens} if self.sink_tokens else {})
-
-    @classmethod
-    def from_dict(cls, d: Any, position: int | None = None) -> LayerSpec:
-        """A layer from its ``to_dict`` form, checked (``load.layer_from_dict``)."""
-        from tqexport.spec.load import layer_from_dict
-
-        return layer_from_dict(d, position)

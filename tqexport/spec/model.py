@@ -120,20 +120,6 @@ class ModelSpec:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
 
-    @classmethod
-    def from_dict(cls, d: Any) -> ModelSpec:
-        """The spec of a parsed ``tqexport.json``. Total: any JSON value gives a spec whose
-        fields are all checked and agree with each other, or raises :class:`SpecError`."""
-        from tqexport.spec.load import spec_from_dict
-
-        return spec_from_dict(d)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> ModelSpec:
-        from tqexport.spec.load import spec_from_json
-
-        return spec_from_json(text)
-
 
 def config_digest(config: dict[str, Any]) -> str:
     """sha256 of a model config, canonically serialized (identifies what a spec was built for)."""
