@@ -496,6 +496,23 @@ def test_malicious_pickle_checkpoint_is_one_line_naming_the_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["evil"]  # nothing written, not run
 
 
+def test_raw_pickle_checkpoint_is_one_line_without_torchs_warning(tmp_path):
+    """pickle.dump (not torch.save): torch warns of the pickle protocol before refusing it."""
+    import pickle
+
+    from tqexport.models import builtins
+
+    src = tmp_path / "raw"
+    src.mkdir()
+    builtins.tiny_config("tiny-llama").save_pretrained(src)
+    (src / "pytorch_model.bin").write_bytes(pickle.dumps({"x": [1, 2]}, protocol=4))
+    r = run("build", str(src), "-o", str(tmp_path / "out"))
+    assert r.returncode == 2
+    line = one_error_line(r.stderr, f"{src / 'pytorch_model.bin'} is not a plain PyTorch")
+    assert "refused to unpickle it (Unsupported operand 149)" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw"]
+
+
 # --- `run` with a tokenizer: tiny artifacts have none, so a byte-level one is written in ---
 
 
