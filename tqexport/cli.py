@@ -806,6 +806,7 @@ def serve(
 
     if api_key is None and os.environ.get("TQEXPORT_API_KEY") == "":
         raise TQExportError("TQEXPORT_API_KEY is set but empty; give a key or unset it")
+    validate.api_key(api_key)
     if metrics_public and api_key is None:
         raise TQExportError(
             "--metrics-public needs --api-key (or TQEXPORT_API_KEY): without a key every route "

@@ -168,6 +168,26 @@ def serving(num_blocks=None, max_num_seqs=64, max_num_batched_tokens=512, backen
         choice(backend, "--backend", ("ort", "torch", "trt"))
 
 
+def api_key(key: str | None) -> str | None:
+    """``--api-key`` as clients can send it, ``Authorization: Bearer KEY``: printable ASCII
+    without spaces (RFC 9110's visible characters); any other key would make every request a
+    401. The key is never printed, only where and what kind of character is wrong."""
+    if key is None:
+        return None
+    name = "--api-key (or TQEXPORT_API_KEY)"
+    if not key:
+        raise TQExportError(f"{name} is empty; give a key or none")
+    for i, ch in enumerate(key):
+        if not "!" <= ch <= "~":
+            kind = ("a space" if ch == " " else "a non-ASCII character" if ord(ch) > 127
+                    else f"the control character {printable(ch)}")  # fmt: skip
+            raise TQExportError(
+                f"{name} has {kind} at position {i + 1}, which no client can send in an "
+                "Authorization header; use printable ASCII without spaces"
+            )
+    return key
+
+
 def physical_memory() -> int | None:
     """Bytes of RAM of this machine, or None where the OS does not say."""
     try:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import uvicorn
 
+from tqexport import validate
 from tqexport.errors import TQExportError
 from tqexport.runtime.engine import Engine, EngineConfig
 
@@ -67,8 +68,7 @@ def serve(
 
     if not 0 <= port <= 65535:
         raise TQExportError(f"--port must be from 0 to 65535, got {port}")
-    if api_key is not None and not api_key.strip():
-        raise TQExportError("--api-key (or TQEXPORT_API_KEY) is empty; give a key or none")
+    validate.api_key(api_key)
     sock = listen(host, port)  # before loading the model: a busy port fails at once
     try:
         engine = Engine.from_artifact(artifact, config)
