@@ -1,11 +1,14 @@
 import dataclasses
 import hashlib
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 from helpers import main_inproc
+
+from tqexport.models.builtins import BUILTIN_NAMES
 
 
 def run(*args):
@@ -386,6 +389,41 @@ def test_a_printable_api_key_is_accepted_and_the_library_refuses_the_others(tmp_
         serve(tmp_path / "none", api_key="")
     with pytest.raises(TQExportError, match=f"has a space at position 2, {API_KEY_RULE}$"):
         serve(tmp_path / "none", api_key="a b")
+
+
+MODELS_FIX = ("give an HF model directory, a config.json, a .gguf file, or a built-in name ("
+              f"{', '.join(BUILTIN_NAMES)})")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["inspect", "{txt}"],
+         "artifact {txt} is a file, not an artifact folder; give the folder `tqexport build -o` "
+         "wrote"),
+        (["run", "/dev/null", "--prompt", "hi"],
+         "artifact /dev/null is a character device, not an artifact folder; give the folder "
+         "`tqexport build -o` wrote"),
+        (["run", "{tmp}/none", "--prompts-file", "{tmp}"],
+         "--prompts-file {tmp} is a folder, not a text file; give a UTF-8 text file"),
+        (["run", "{tmp}/none", "--prompts-file", "{fifo}"],
+         "--prompts-file {fifo} is a named pipe (FIFO), not a text file; give a UTF-8 text file"),
+        (["bench", "quality", "tiny-llama", "--text-file", "/dev/zero"],
+         "--text-file /dev/zero is a character device, not a text file; give a UTF-8 text file"),
+        (["plan", "{fifo}"], f"model '{{fifo}}' is a named pipe (FIFO), not a model; {MODELS_FIX}"),
+        (["plan", "{txt}"],
+         "model '{txt}' is a file but neither a .json config nor a .gguf file; give an HF model "
+         "directory, a config.json or a .gguf file"),
+    ],
+)  # fmt: skip
+def test_a_path_of_the_wrong_kind_is_named_not_called_missing(capsys, tmp_path, args, message):
+    """A folder, device or FIFO where a file is wanted (or the reverse) says what it is; a FIFO
+    is never opened (it would block)."""
+    paths = {"tmp": tmp_path, "txt": tmp_path / "notes.txt", "fifo": tmp_path / "pipe"}
+    paths["txt"].write_text("hello\n")
+    os.mkfifo(paths["fifo"])
+    code, out, err = main_inproc(capsys, *(a.format(**paths) for a in args))
+    assert (code, out, err) == (2, "", f"error: {message.format(**paths)}\n")
 
 
 def test_options_an_artifact_target_ignores_are_refused(artifacts, capsys, monkeypatch, tmp_path):

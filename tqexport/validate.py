@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import stat
 import struct
 import unicodedata
 from pathlib import Path
@@ -219,16 +220,45 @@ def printable(text: object, keep_newlines: bool = False) -> str:
     return "".join(out)
 
 
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISREG, "a file"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def path_kind(path: Path) -> str | None:
+    """What ``path`` is ("a folder", "a file", "a character device", ...; links followed),
+    None when nothing is there: so a wrong kind of path is named, not called missing."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):  # ValueError: a NUL byte in the name
+        return None
+    return next((name for test, name in _KINDS if test(mode)), "a special file")
+
+
+def regular_file(path: Path, option: str, noun: str = "a file", fix: str = "") -> Path:
+    """``path`` when it is a regular file (never a device or FIFO, which can block or never
+    end); else one error: "OPTION PATH not found" or "... is a folder, not NOUN; FIX"."""
+    kind = path_kind(path)
+    if kind == "a file":
+        return path
+    problem = "not found" if kind is None else f"is {kind}, not {noun}"
+    raise TQExportError(f"{option} {path} {problem}" + (f"; {fix}" if fix else ""))
+
+
 #: the largest text file read (--prompts-file, --calibration-text, bench's --text-file): more
 #: than any model's context
 MAX_TEXT_FILE_BYTES = 256 * 2**20
 
 
 def text_file(path: Path, option: str) -> str:
-    """The text of the UTF-8 file ``option`` names, or one error naming both: missing, larger
-    than :data:`MAX_TEXT_FILE_BYTES`, not UTF-8, or blank."""
-    if not path.is_file():
-        raise TQExportError(f"{option} {path} not found")
+    """The text of the UTF-8 file ``option`` names, or one error naming both: missing, not a
+    regular file, larger than :data:`MAX_TEXT_FILE_BYTES`, not UTF-8, or blank."""
+    regular_file(path, option, "a text file", "give a UTF-8 text file")
     try:
         size = path.stat().st_size
         if size > MAX_TEXT_FILE_BYTES:
