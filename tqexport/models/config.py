@@ -17,6 +17,7 @@ from tqexport.spec import (
     MAX_HEADS,
     MAX_KV_HEADS,
     MAX_LAYERS,
+    MAX_POSITIONS,
     MAX_VOCAB_SIZE,
     MAX_WINDOW,
     config_digest,
@@ -288,7 +289,16 @@ def describe_config(config, name: str, source: str = "", dtype: str | None = Non
         source=source,
         vocab_size=int(getattr(cfg, "vocab_size", 0) or 0),
         parameters=_parameters(cfg, int(heads), int(kv_heads), int(head_size)),
+        max_position_embeddings=_position_limit(cfg),
     )
+
+
+def _position_limit(cfg) -> int | None:
+    """The config's max_position_embeddings when it is a usable one (None: absent or odd; the
+    serving side then falls back as for an artifact built before it was recorded)."""
+    n = getattr(cfg, "max_position_embeddings", None)
+    ok = isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_POSITIONS
+    return n if ok else None
 
 
 def _parameters(cfg, heads: int, kv_heads: int, head_size: int) -> int:

@@ -89,6 +89,8 @@ def serve(
             lifespan="on",
         )
         server = _Server(uconfig, banner)  # uvicorn's logging is set up from here on
+        if engine.limit_note:
+            log.warning("%s", engine.limit_note)
         if api_key is None and host not in LOOPBACK:
             log.warning("serving on %s without --api-key: anyone who reaches it can use it", host)
         # uvicorn re-raises the signal it stopped on after restoring the handlers it found:
