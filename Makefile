@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install native models test demo bench bench-models calibration-tables lint clean vllm-parity docs
+.PHONY: install native wheel models test demo bench bench-models calibration-tables lint clean vllm-parity docs
 
 install: $(STAMP) native
 
@@ -12,6 +12,11 @@ install: $(STAMP) native
 # from ORT_INCLUDE_DIR, pkg-config or the system (without them: one warning, bodies run).
 native: $(STAMP)
 	$(BIN)/python -m tqexport.native
+
+# A platform wheel in dist/ with the native library inside, for machines without ONNX Runtime's
+# headers (`pip install dist/tqexport-*.whl`); an error where the library cannot be built.
+wheel: $(STAMP)
+	$(BIN)/python -m tqexport.native.wheel dist
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -173,4 +178,4 @@ lint: install
 	$(BIN)/ruff format --check tqexport tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) build out *.egg-info
+	rm -rf $(VENV) build dist out *.egg-info

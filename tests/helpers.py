@@ -300,6 +300,34 @@ def with_byte_tokenizer(artifact_dir, out_dir):
     return out
 
 
+def with_spec(artifact_dir, out_dir, change):
+    """A copy of an artifact (its other files hard-linked) whose spec, in tqexport.json and in
+    the graph alike, is ``change(spec as a dict)`` applied: what another build would have
+    written (an older one, say)."""
+    import json
+    import os
+    from pathlib import Path
+
+    import onnx
+
+    from tqexport.contract.files import MODEL_FILE, SPEC_FILE, set_spec_metadata
+    from tqexport.spec import spec_from_dict
+
+    src, out = Path(artifact_dir), Path(out_dir)
+    d = json.loads((src / SPEC_FILE).read_text())
+    change(d)
+    spec = spec_from_dict(d)
+    out.mkdir()
+    for f in src.iterdir():
+        if f.name not in (MODEL_FILE, SPEC_FILE):
+            os.link(f, out / f.name)
+    graph = onnx.load(str(src / MODEL_FILE), load_external_data=False)
+    set_spec_metadata(graph, spec)
+    (out / MODEL_FILE).write_bytes(graph.SerializeToString())
+    (out / SPEC_FILE).write_text(spec.to_json())
+    return out
+
+
 @contextmanager
 def serving(app):
     """``app`` served by uvicorn in a thread on 127.0.0.1 (a free port): its base URL."""

@@ -1,11 +1,14 @@
 import dataclasses
 import hashlib
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 from helpers import main_inproc
+
+from tqexport.models.builtins import BUILTIN_NAMES
 
 
 def run(*args):
@@ -343,6 +346,87 @@ def test_conflicting_or_ignored_options_are_one_error_naming_both(capsys, monkey
     assert (code, out, err) == (2, "", f"error: {message}\n")
 
 
+API_KEY_RULE = (
+    "which no client can send in an Authorization header; use printable ASCII without spaces"
+)
+
+
+@pytest.mark.parametrize(
+    ("key", "problem"),
+    [
+        ("", "is empty; give a key or none"),
+        ("s\u00e9cret", f"has a non-ASCII character at position 2, {API_KEY_RULE}"),
+        ("my key", f"has a space at position 3, {API_KEY_RULE}"),
+        ("key\n", f"has the control character \\n at position 4, {API_KEY_RULE}"),
+        ("k\x7f", f"has the control character \\x7f at position 2, {API_KEY_RULE}"),
+    ],
+)
+@pytest.mark.parametrize("how", ["flag", "env", "ray"])
+def test_serve_refuses_an_api_key_no_client_can_send(capsys, monkeypatch, tmp_path, key,
+                                                     problem, how):  # fmt: skip
+    """Refused at start, before the artifact is opened (it does not exist), the key unsaid."""
+    monkeypatch.delenv("TQEXPORT_API_KEY", raising=False)
+    args = ["serve", str(tmp_path / "none")] + (["--ray"] if how == "ray" else [])
+    if how == "env":
+        monkeypatch.setenv("TQEXPORT_API_KEY", key)
+    else:
+        args += ["--api-key", key]
+    code, out, err = main_inproc(capsys, *args)
+    if key == "":  # the checks every option and the variable have
+        problem = ("TQEXPORT_API_KEY is set but empty; give a key or unset it" if how == "env"
+                   else "--api-key is empty; give a value or leave it out")  # fmt: skip
+    else:
+        problem = f"--api-key (or TQEXPORT_API_KEY) {problem}"
+    assert (code, out, err) == (2, "", f"error: {problem}\n")
+
+
+def test_a_printable_api_key_is_accepted_and_the_library_refuses_the_others(tmp_path):
+    from tqexport import validate
+    from tqexport.errors import TQExportError
+    from tqexport.serve.runner import serve
+
+    assert validate.api_key("sk-A1_b2.c3~d4+/=!#$%&'*^`|") == "sk-A1_b2.c3~d4+/=!#$%&'*^`|"
+    with pytest.raises(TQExportError, match="^--api-key .* is empty; give a key or none$"):
+        serve(tmp_path / "none", api_key="")
+    with pytest.raises(TQExportError, match=f"has a space at position 2, {API_KEY_RULE}$"):
+        serve(tmp_path / "none", api_key="a b")
+
+
+MODELS_FIX = ("give an HF model directory, a config.json, a .gguf file, or a built-in name ("
+              f"{', '.join(BUILTIN_NAMES)})")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["inspect", "{txt}"],
+         "artifact {txt} is a file, not an artifact folder; give the folder `tqexport build -o` "
+         "wrote"),
+        (["run", "/dev/null", "--prompt", "hi"],
+         "artifact /dev/null is a character device, not an artifact folder; give the folder "
+         "`tqexport build -o` wrote"),
+        (["run", "{tmp}/none", "--prompts-file", "{tmp}"],
+         "--prompts-file {tmp} is a folder, not a text file; give a UTF-8 text file"),
+        (["run", "{tmp}/none", "--prompts-file", "{fifo}"],
+         "--prompts-file {fifo} is a named pipe (FIFO), not a text file; give a UTF-8 text file"),
+        (["bench", "quality", "tiny-llama", "--text-file", "/dev/zero"],
+         "--text-file /dev/zero is a character device, not a text file; give a UTF-8 text file"),
+        (["plan", "{fifo}"], f"model '{{fifo}}' is a named pipe (FIFO), not a model; {MODELS_FIX}"),
+        (["plan", "{txt}"],
+         "model '{txt}' is a file but neither a .json config nor a .gguf file; give an HF model "
+         "directory, a config.json or a .gguf file"),
+    ],
+)  # fmt: skip
+def test_a_path_of_the_wrong_kind_is_named_not_called_missing(capsys, tmp_path, args, message):
+    """A folder, device or FIFO where a file is wanted (or the reverse) says what it is; a FIFO
+    is never opened (it would block)."""
+    paths = {"tmp": tmp_path, "txt": tmp_path / "notes.txt", "fifo": tmp_path / "pipe"}
+    paths["txt"].write_text("hello\n")
+    os.mkfifo(paths["fifo"])
+    code, out, err = main_inproc(capsys, *(a.format(**paths) for a in args))
+    assert (code, out, err) == (2, "", f"error: {message.format(**paths)}\n")
+
+
 def test_options_an_artifact_target_ignores_are_refused(artifacts, capsys, monkeypatch, tmp_path):
     art = artifacts("tiny-llama", "fp8")  # no recent-window caches
     monkeypatch.chdir(tmp_path)  # bench speed's default --workdir is relative
@@ -495,6 +579,23 @@ def test_malicious_pickle_checkpoint_is_one_line_naming_the_file(tmp_path):
     line = one_error_line(r.stderr, str(src / "pytorch_model.bin"))
     assert "refused to unpickle" in line and "posix.system" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["evil"]  # nothing written, not run
+
+
+def test_raw_pickle_checkpoint_is_one_line_without_torchs_warning(tmp_path):
+    """pickle.dump (not torch.save): torch warns of the pickle protocol before refusing it."""
+    import pickle
+
+    from tqexport.models import builtins
+
+    src = tmp_path / "raw"
+    src.mkdir()
+    builtins.tiny_config("tiny-llama").save_pretrained(src)
+    (src / "pytorch_model.bin").write_bytes(pickle.dumps({"x": [1, 2]}, protocol=4))
+    r = run("build", str(src), "-o", str(tmp_path / "out"))
+    assert r.returncode == 2
+    line = one_error_line(r.stderr, f"{src / 'pytorch_model.bin'} is not a plain PyTorch")
+    assert "refused to unpickle it (Unsupported operand 149)" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw"]
 
 
 # --- `run` with a tokenizer: tiny artifacts have none, so a byte-level one is written in ---

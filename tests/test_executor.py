@@ -19,6 +19,7 @@ from helpers import (
 
 from tqexport.contract.artifact import open_artifact
 from tqexport.contract.steps import SeqChunk, build_step
+from tqexport.errors import TQExportError
 from tqexport.models.paged import PagedCausalLM
 from tqexport.runtime.backends.ort import OrtBackend
 from tqexport.runtime.executor import Executor
@@ -144,6 +145,24 @@ def test_caches_update_in_place_and_bit_identical(artifacts):
             assert bound.caches[n].ctypes.data == ptr
             assert np.array_equal(bound.caches[n], copied.caches[n])
     assert bound.caches["cache.0.kv"][1].any()  # the bound buffer itself was written
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_node_failing_at_run_time_is_our_error_with_orts_message_and_no_log_line(
+    artifacts, capfd, in_place
+):
+    """ORT's coloured "[E:onnxruntime:...]" line never reaches stderr: its message is ours."""
+    art = open_artifact(artifacts("tiny-llama", "fp8"))
+    backend = OrtBackend(art, 8, in_place=in_place, kernels="bodies")
+    step = build_step(art.spec, [SeqChunk([1, 2, 3], 0, [[1]] * len(art.spec.groups))])
+    step["slot_mapping_0"] = step["slot_mapping_0"] + 10**6  # past the cache: ScatterND fails
+    capfd.readouterr()
+    with pytest.raises(TQExportError) as e:
+        backend.run(step)
+    assert str(e.value).startswith("ONNX Runtime failed in a step: Non-zero status code ")
+    assert "ScatterND" in str(e.value) and "invalid indice found" in str(e.value)
+    assert "\n" not in str(e.value) and "[ONNXRuntimeError]" not in str(e.value)
+    assert capfd.readouterr().err == ""
 
 
 def test_sampling_is_per_request_and_seeded(artifacts):

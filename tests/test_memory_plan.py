@@ -4,7 +4,7 @@ the full-attention group bounds the batch at the context served, and serving thr
 import json
 
 import pytest
-from helpers import assert_greedy, main_inproc, teacher_forced
+from helpers import assert_greedy, main_inproc, teacher_forced, with_spec
 
 from tqexport.contract.artifact import open_artifact
 from tqexport.runtime.blocks import BlockManager
@@ -193,3 +193,57 @@ def test_engine_splits_for_max_model_len_and_names_it_in_rejections(gemma3):
         engine.check_prompt_size(list(range(101)))
     with pytest.raises(TQExportError, match="--max-model-len 600 exceeds the model's position"):
         Engine(gemma3, EngineConfig(kv_cache_memory="4MiB", max_model_len=600))
+
+
+def test_the_build_records_the_position_limit_and_the_plan_is_sized_by_it(gemma3, capsys):
+    """No --max-model-len: the plan is the one for 512 tokens, the limit tiny-gemma3's config
+    gives (written to tqexport.json, read back), and nothing is said about it."""
+    on_disk = json.loads((gemma3.path / "tqexport.json").read_text())
+    assert on_disk["model"]["max_position_embeddings"] == 512
+    assert gemma3.spec.max_position_embeddings == 512
+    code, out, err = main_inproc(capsys, "inspect", str(gemma3.path), "--kv-cache-memory",
+                                 "4MiB", "--json")  # fmt: skip
+    assert (code, err) == (0, "")
+    doc = json.loads(out)
+    assert [g["blocks"] for g in doc["groups"]] == [103, 45]
+    assert (doc["summary"]["context"], doc["summary"]["max_seqs_at_context"]) == (512, 3)
+
+
+def _older(d):
+    del d["model"]["max_position_embeddings"]
+
+
+def _older_from_gguf(d):
+    """Built before the limit was recorded, from a source not read again (a GGUF's metadata)."""
+    _older(d)
+    d["model"]["source"] = "gguf:tiny.gguf"
+
+
+@pytest.mark.parametrize(
+    ("change", "blocks", "sized"),
+    [
+        (_older, [104, 46], "512 tokens (the source model's config)"),
+        (_older_from_gguf, [48, 48], "the whole budget (no limit known)"),
+    ],
+)
+def test_an_artifact_built_before_the_limit_was_recorded_falls_back_with_one_line(
+    gemma3, tmp_path, capsys, change, blocks, sized
+):
+    from tqexport.runtime.engine import Engine, EngineConfig
+
+    old = with_spec(gemma3.path, tmp_path / "old", change)
+    assert open_artifact(old).spec.max_position_embeddings is None  # older artifacts still load
+    note = (f"{old} was built before tqexport recorded the model's position limit: the memory "
+            f"plan is sized for {sized}; give --max-model-len or rebuild it")  # fmt: skip
+    code, out, err = main_inproc(capsys, "inspect", str(old), "--kv-cache-memory", "4MiB",
+                                 "--json")  # fmt: skip
+    assert (code, err) == (0, f"warning: {note}\n")
+    assert [g["blocks"] for g in json.loads(out)["groups"]] == [b - 1 for b in blocks]
+    engine = Engine(open_artifact(old), EngineConfig(kv_cache_memory="4MiB"))
+    assert (engine.executor.group_num_blocks, engine.limit_note) == (blocks, note)
+    given = EngineConfig(kv_cache_memory="4MiB", max_model_len=512)
+    assert Engine(open_artifact(old), given).limit_note is None  # told: nothing to say
+    code, out, err = main_inproc(capsys, "inspect", str(old), "--kv-cache-memory", "4MiB",
+                                 "--max-model-len", "512", "--json")  # fmt: skip
+    assert (code, err) == (0, "")
+    assert [g["blocks"] for g in json.loads(out)["groups"]] == [103, 45]

@@ -296,6 +296,8 @@ BAD_FIELDS = [
     (_set(["model", "num_layers"], 5), "model: field 'num_layers' is 5 but the spec lists 4"),
     (_set(["model", "num_heads"], 3), "2 kv heads do not divide the model's 3 query heads"),
     (_set(["model", "config_digest"], "md5:x"), "model: field 'config_digest' must be"),
+    (_set(["model", "max_position_embeddings"], 0), r"'max_position_embeddings' .*\.\d+, got 0;"),
+    (_set(["model", "max_position_embeddings"], 2**41), r"'max_position_embeddings' .* got 2\d+;"),
     (_set(["model"], "tiny"), "field 'model' must be a JSON object"),
     # request (provenance, read back by bench) and version
     (_set(["request", "kv_cache_dtype"], "fp9"), "request: unknown kv-cache dtype 'fp9'"),

@@ -545,7 +545,7 @@ def inspect(
     how many sequences of the longest length served fit at once."""
     from tqexport.contract.artifact import open_artifact
     from tqexport.native.library import choose as choose_kernels
-    from tqexport.runtime.engine import context_limit
+    from tqexport.runtime.engine import context_limit, limit_fallback_note
     from tqexport.runtime.memory import allocation
     from tqexport.runtime.text import has_tokenizer, load_tokenizer
     from tqexport.spec import recent_label
@@ -574,8 +574,13 @@ def inspect(
         )
     # the tokenizer is read only where it is the one source of the position limit
     context, _ = context_limit(art, max_model_len)
+    tokenizer = None
     if context is None and has_tokenizer(art.path):
-        context, _ = context_limit(art, max_model_len, load_tokenizer(art.path))
+        tokenizer = load_tokenizer(art.path)
+        context, _ = context_limit(art, max_model_len, tokenizer)
+    note = limit_fallback_note(art, max_model_len, tokenizer)
+    if note:
+        _warn(note)
     plan = allocation(spec, config.group_blocks(art, context=context), context, max_num_seqs,
                       max_num_batched_tokens)  # fmt: skip
     rows, groups, summary = plan["layers"], plan["groups"], plan["summary"]
@@ -720,6 +725,8 @@ def run(
     )  # fmt: skip
     texts = [prompt] if prompt is not None else validate.prompts_file(prompts_file)
     engine = Engine.from_artifact(artifact, config)
+    if engine.limit_note:
+        _warn(engine.limit_note)
     engine.require_tokenizer()
     stream = prompt is not None and not as_json
 
@@ -819,6 +826,7 @@ def serve(
 
     if api_key is None and os.environ.get("TQEXPORT_API_KEY") == "":
         raise TQExportError("TQEXPORT_API_KEY is set but empty; give a key or unset it")
+    validate.api_key(api_key)
     if metrics_public and api_key is None:
         raise TQExportError(
             "--metrics-public needs --api-key (or TQEXPORT_API_KEY): without a key every route "
@@ -842,9 +850,12 @@ def serve(
     )  # fmt: skip
     if ray:
         from tqexport.contract.artifact import open_artifact
+        from tqexport.runtime.engine import limit_fallback_note
         from tqexport.serve.ray_serve import serve_on_ray
 
-        open_artifact(artifact)  # a bad artifact fails here, not in every replica
+        note = limit_fallback_note(open_artifact(artifact), max_model_len)  # a bad artifact
+        if note:  # fails here, not in every replica
+            _warn(note)
         name = served_model_name or str(artifact)
         serve_on_ray(artifact, config, host, port, name, api_key, replicas, ray_address,
                      replica_cpus, grace_seconds, metrics_public,

@@ -11,6 +11,7 @@ import math
 import operator
 import os
 import re
+import stat
 import struct
 import unicodedata
 from pathlib import Path
@@ -169,6 +170,26 @@ def serving(num_blocks=None, max_num_seqs=64, max_num_batched_tokens=512, backen
         choice(backend, "--backend", ("ort", "torch", "trt"))
 
 
+def api_key(key: str | None) -> str | None:
+    """``--api-key`` as clients can send it, ``Authorization: Bearer KEY``: printable ASCII
+    without spaces (RFC 9110's visible characters); any other key would make every request a
+    401. The key is never printed, only where and what kind of character is wrong."""
+    if key is None:
+        return None
+    name = "--api-key (or TQEXPORT_API_KEY)"
+    if not key:
+        raise TQExportError(f"{name} is empty; give a key or none")
+    for i, ch in enumerate(key):
+        if not "!" <= ch <= "~":
+            kind = ("a space" if ch == " " else "a non-ASCII character" if ord(ch) > 127
+                    else f"the control character {printable(ch)}")  # fmt: skip
+            raise TQExportError(
+                f"{name} has {kind} at position {i + 1}, which no client can send in an "
+                "Authorization header; use printable ASCII without spaces"
+            )
+    return key
+
+
 def physical_memory() -> int | None:
     """Bytes of RAM of this machine, or None where the OS does not say."""
     try:
@@ -200,16 +221,45 @@ def printable(text: object, keep_newlines: bool = False) -> str:
     return "".join(out)
 
 
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISREG, "a file"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def path_kind(path: Path) -> str | None:
+    """What ``path`` is ("a folder", "a file", "a character device", ...; links followed),
+    None when nothing is there: so a wrong kind of path is named, not called missing."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):  # ValueError: a NUL byte in the name
+        return None
+    return next((name for test, name in _KINDS if test(mode)), "a special file")
+
+
+def regular_file(path: Path, option: str, noun: str = "a file", fix: str = "") -> Path:
+    """``path`` when it is a regular file (never a device or FIFO, which can block or never
+    end); else one error: "OPTION PATH not found" or "... is a folder, not NOUN; FIX"."""
+    kind = path_kind(path)
+    if kind == "a file":
+        return path
+    problem = "not found" if kind is None else f"is {kind}, not {noun}"
+    raise TQExportError(f"{option} {path} {problem}" + (f"; {fix}" if fix else ""))
+
+
 #: the largest text file read (--prompts-file, --calibration-text, bench's --text-file): more
 #: than any model's context
 MAX_TEXT_FILE_BYTES = 256 * 2**20
 
 
 def text_file(path: Path, option: str) -> str:
-    """The text of the UTF-8 file ``option`` names, or one error naming both: missing, larger
-    than :data:`MAX_TEXT_FILE_BYTES`, not UTF-8, or blank."""
-    if not path.is_file():
-        raise TQExportError(f"{option} {path} not found")
+    """The text of the UTF-8 file ``option`` names, or one error naming both: missing, not a
+    regular file, larger than :data:`MAX_TEXT_FILE_BYTES`, not UTF-8, or blank."""
+    regular_file(path, option, "a text file", "give a UTF-8 text file")
     try:
         size = path.stat().st_size
         if size > MAX_TEXT_FILE_BYTES:

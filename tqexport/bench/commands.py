@@ -110,8 +110,8 @@ def bench_quality(
             f"--weights has no effect when TARGET is an artifact ({target} runs on the weights "
             "it stores); drop it, or give a model"
         )
-    if text_file is not None and not text_file.is_file():
-        raise TQExportError(f"--text-file {text_file} not found")
+    if text_file is not None:
+        validate.regular_file(text_file, "--text-file", "a text file", "give a UTF-8 text file")
     configs = matrix.quality_configs(
         kv_cache_dtype,
         boundary,
@@ -360,6 +360,7 @@ def bench_report(
     parse_kernels(kernels)
     peer_speed = None
     if peer_speed_json is not None:
+        validate.regular_file(peer_speed_json, "--peer-speed-json", "a JSON file")
         try:
             peer_speed = speed_report.read_peer_speed(peer_speed_json)
         except (OSError, ValueError):
@@ -368,6 +369,7 @@ def bench_report(
                 "`benchmarks/peers_speed.py --json`"
             ) from None
     if speed_json is not None:
+        validate.regular_file(speed_json, "--speed-json", "a JSON file")
         try:
             kept = json.loads(speed_json.read_text())["speed"]
             kept["decode"]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import onnx
 
+from tqexport import validate
 from tqexport.contract.files import (
     MODEL_FILE,
     SPEC_FILE,
@@ -42,8 +43,14 @@ def open_artifact(path: str | Path) -> Artifact:
     """Validate presence, spec, graph I/O against the spec, and weight-file integrity; every
     file is checked by ``contract.files.artifact_file`` (regular, inside the artifact)."""
     root = Path(path)
-    if not root.is_dir():
+    kind = validate.path_kind(root)
+    if kind is None:
         raise TQExportError(f"artifact {root} not found; build one with `tqexport build`")
+    if kind != "a folder":
+        raise TQExportError(
+            f"artifact {root} is {kind}, not an artifact folder; give the folder `tqexport "
+            "build -o` wrote"
+        )
     spec_file = root / SPEC_FILE
     raw = read_artifact_file(root, SPEC_FILE, MAX_SPEC_BYTES + 1)  # the loader refuses more
     if raw is None:

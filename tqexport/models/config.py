@@ -7,6 +7,7 @@ import struct
 from collections.abc import Mapping
 from pathlib import Path
 
+from tqexport import validate
 from tqexport.errors import TQExportError
 from tqexport.kvquant.codecs import MAX_HEAD_SIZE
 from tqexport.models import builtins
@@ -16,6 +17,7 @@ from tqexport.spec import (
     MAX_HEADS,
     MAX_KV_HEADS,
     MAX_LAYERS,
+    MAX_POSITIONS,
     MAX_VOCAB_SIZE,
     MAX_WINDOW,
     config_digest,
@@ -176,10 +178,12 @@ def load_config(model: str):
     if model in builtins.TINY_CONFIGS:
         return builtins.tiny_config(model), f"builtin:{model}"
     path = builtins.builtin_gguf(model) if model in builtins.GGUF_BUILTINS else Path(model)
-    if not path.exists():
+    kind = validate.path_kind(path)
+    if kind not in ("a folder", "a file"):
         names = ", ".join(builtins.BUILTIN_NAMES)
+        problem = "not found:" if kind is None else f"is {kind}, not a model;"
         raise TQExportError(
-            f"model {model!r} not found: give an HF model directory, a config.json, "
+            f"model {model!r} {problem} give an HF model directory, a config.json, "
             f"a .gguf file, or a built-in name ({names})"
         )
     try:
@@ -207,7 +211,10 @@ def load_config(model: str):
                 "damaged, download it again"
             ) from None
         raise TQExportError(f"cannot read the config of {model}: {first}") from None
-    raise TQExportError(f"{model}: expected a directory, a config.json or a .gguf file")
+    raise TQExportError(
+        f"model {model!r} is a file but neither a .json config nor a .gguf file; give an HF "
+        "model directory, a config.json or a .gguf file"
+    )
 
 
 def describe_config(config, name: str, source: str = "", dtype: str | None = None):
@@ -282,7 +289,16 @@ def describe_config(config, name: str, source: str = "", dtype: str | None = Non
         source=source,
         vocab_size=int(getattr(cfg, "vocab_size", 0) or 0),
         parameters=_parameters(cfg, int(heads), int(kv_heads), int(head_size)),
+        max_position_embeddings=_position_limit(cfg),
     )
+
+
+def _position_limit(cfg) -> int | None:
+    """The config's max_position_embeddings when it is a usable one (None: absent or odd; the
+    serving side then falls back as for an artifact built before it was recorded)."""
+    n = getattr(cfg, "max_position_embeddings", None)
+    ok = isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_POSITIONS
+    return n if ok else None
 
 
 def _parameters(cfg, heads: int, kv_heads: int, head_size: int) -> int:

@@ -40,6 +40,9 @@ class ModelDescription:
     vocab_size: int = 0
     #: weights estimated from the config (0: unknown); what loading them takes is checked
     parameters: int = 0
+    #: the model's position limit, its config's max_position_embeddings (None: it has none);
+    #: recorded in the artifact, it sizes the memory plan when no --max-model-len is given
+    max_position_embeddings: int | None = None
 
     def identity(self) -> dict:
         return {
@@ -50,4 +53,6 @@ class ModelDescription:
             "num_layers": len(self.layers),
             "num_heads": self.num_heads,
             "vocab_size": self.vocab_size,
-        }
+            **({} if self.max_position_embeddings is None
+               else {"max_position_embeddings": self.max_position_embeddings}),
+        }  # fmt: skip

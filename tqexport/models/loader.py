@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import shutil
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +152,17 @@ def _checkpoint_files(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
 
 
+@contextmanager
+def _warnings_on_success():
+    """Hold the warnings raised in the block (torch's "Detected pickle protocol" for a raw
+    pickle checkpoint): shown when it succeeds, dropped when it fails, so a refused checkpoint
+    is one ``error:`` line."""
+    with warnings.catch_warnings(record=True) as held:
+        yield
+    for w in held:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
 def check_memory(desc: ModelDescription) -> None:
     """Refuse, before any allocation, a model whose weights (estimated from its config at the
     model dtype) exceed this machine's memory: loading would swap or be killed."""
@@ -186,10 +198,11 @@ def load_model(name: str, dtype: str | None = None) -> LoadedModel:
         path = builtins.builtin_gguf(name) if name in builtins.GGUF_BUILTINS else Path(name)
         root = path if path.is_dir() or path.suffix == ".gguf" else path.parent
         try:
-            if path.suffix == ".gguf":
-                model, tok, gen = _load_gguf(path, config, torch_dtype)
-            else:
-                model, tok, gen = _load_dir(root, torch_dtype)
+            with _warnings_on_success():
+                if path.suffix == ".gguf":
+                    model, tok, gen = _load_gguf(path, config, torch_dtype)
+                else:
+                    model, tok, gen = _load_dir(root, torch_dtype)
         except TQExportError:
             raise
         except pickle.UnpicklingError as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -26,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCE_DIR = ROOT / "plugins"
 BUILD_DIR = ROOT / "build" / "plugins"
 LIBRARY_NAME = "libtqexport_ort.so"
+#: the library a platform wheel carries (``make wheel``): what an installed package without
+#: the sources (``plugins/``) loads
+BUNDLED_DIR = Path(__file__).resolve().parent / "lib"
 #: the C API version the sources are written against (a newer runtime serves it too)
 ORT_API_VERSION = 21
 
@@ -75,6 +79,24 @@ def find_ort_headers() -> Path | None:
     return None
 
 
+def headers_command() -> str:
+    """The command that gets the headers of the installed ONNX Runtime (its release's include
+    folder) and builds the kernels with them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("onnxruntime")
+    except PackageNotFoundError:
+        ver = "1.22.0"
+    ver = ".".join(ver.split(".")[:3]).split("+")[0]
+    arch = {"x86_64": "x64", "amd64": "x64", "aarch64": "aarch64", "arm64": "aarch64"}.get(
+        platform.machine().lower(), "x64"
+    )
+    name = f"onnxruntime-linux-{arch}-{ver}"
+    url = f"https://github.com/microsoft/onnxruntime/releases/download/v{ver}/{name}.tgz"
+    return f"curl -L {url} | tar xz && ORT_INCLUDE_DIR=$PWD/{name}/include make native"
+
+
 def header_api_version(include: Path) -> int:
     text = (include / "onnxruntime_c_api.h").read_text(errors="replace")
     m = re.search(r"#define ORT_API_VERSION (\d+)", text)
@@ -108,7 +130,8 @@ def build(sanitize: bool = False, compiler: str | None = None) -> Built:
     if include is None:
         raise TQExportError(
             "ONNX Runtime C/C++ API headers not found: set ORT_INCLUDE_DIR to the folder with "
-            "onnxruntime_cxx_api.h (or install libonnxruntime-dev); the function bodies run"
+            f"onnxruntime_cxx_api.h, e.g. `{headers_command()}` (or install libonnxruntime-dev "
+            "where the distribution has it); the function bodies run"
         )
     if header_api_version(include) < ORT_API_VERSION:
         raise TQExportError(

@@ -39,6 +39,8 @@ def build_info(path: Path) -> dict:
 @lru_cache(maxsize=4)
 def _ready_library(sanitize: bool = False) -> tuple[Path | None, str]:
     """(the library built from the current sources, or None with the reason)."""
+    if not native_build.SOURCE_DIR.is_dir() and not sanitize:
+        return _bundled_library()  # an installed wheel: no sources to hash or build
     path = native_build.library_path(sanitize)
     want = native_build.source_hash(sanitize)
     if path.is_file() and not sanitize:  # a sanitized library loads only under its runtime
@@ -54,6 +56,26 @@ def _ready_library(sanitize: bool = False) -> tuple[Path | None, str]:
         state = "is stale" if path.is_file() else "is not built"
         return None, f"the native kernel library {state}: {str(e).splitlines()[0]}"
     return built.library, ""
+
+
+def _bundled_library() -> tuple[Path | None, str]:
+    """The library a platform wheel carries (``make wheel``), when its build says it is this
+    library (the hash it was built with matches what the wheel recorded)."""
+    path = native_build.BUNDLED_DIR / native_build.LIBRARY_NAME
+    if not path.is_file():
+        return None, (
+            "this install has neither the native kernel sources nor a bundled library; install "
+            "a wheel made by `make wheel`, or tqexport from its sources with ONNX Runtime's "
+            "headers"
+        )
+    try:
+        want = json.loads((native_build.BUNDLED_DIR / "build_info.json").read_text())
+        got = build_info(path)
+    except (OSError, AttributeError, ValueError) as e:
+        return None, f"{path} is not a tqexport kernel library ({e})"
+    if got.get("source_hash") != want.get("source_hash"):
+        return None, f"{path} is not the library this wheel was built with; reinstall it"
+    return path, ""
 
 
 def unsupported_layers(spec) -> list[str]:

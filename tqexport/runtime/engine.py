@@ -95,16 +95,35 @@ class _Request:
 
 
 def position_limit(artifact: Artifact, tokenizer=None) -> int | None:
-    """The model's position limit (``max_position_embeddings``): from the spec when it records
-    it, else the source model's config (built-ins and HF directories; reading a GGUF's metadata
-    takes seconds, so not those), else the tokenizer's ``model_max_length`` when it is set."""
+    """The model's position limit (``max_position_embeddings``): as the build recorded it in
+    the spec, else (an artifact built before it was) as :func:`_source_position_limit` finds."""
+    recorded = artifact.spec.max_position_embeddings
+    return recorded if recorded is not None else _source_position_limit(artifact, tokenizer)[0]
+
+
+def limit_fallback_note(artifact: Artifact, max_model_len: int | None, tokenizer=None):
+    """One line for an artifact built before its spec recorded the model's position limit,
+    served without ``--max-model-len``: what the memory plan is sized by instead (None: no
+    need to say)."""
+    if max_model_len is not None or artifact.spec.max_position_embeddings is not None:
+        return None
+    limit, where = _source_position_limit(artifact, tokenizer)
+    sized = "the whole budget (no limit known)" if limit is None else f"{limit} tokens ({where})"
+    return (
+        f"{artifact.path} was built before tqexport recorded the model's position limit: the "
+        f"memory plan is sized for {sized}; give --max-model-len or rebuild it"
+    )
+
+
+def _source_position_limit(artifact: Artifact, tokenizer=None) -> tuple[int | None, str]:
+    """(limit, where it came from) for a spec without one: the source model's config (built-ins
+    and HF directories; reading a GGUF's metadata takes seconds, so not those), else the
+    tokenizer's ``model_max_length`` when it is set."""
     model = artifact.spec.model
 
     def positive(v):
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
-    if positive(model.get("max_position_embeddings")):
-        return model["max_position_embeddings"]
     path, source = model.get("path"), str(model.get("source", ""))
     if isinstance(path, str) and path and not source.startswith("gguf:"):
         try:
@@ -113,11 +132,13 @@ def position_limit(artifact: Artifact, tokenizer=None) -> int | None:
             config, _ = load_config(path)
             cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
             if positive(getattr(cfg, "max_position_embeddings", None)):
-                return cfg.max_position_embeddings
+                return cfg.max_position_embeddings, "the source model's config"
         except Exception:  # the source moved or changed: fall back to the tokenizer
             pass
     n = positive(getattr(tokenizer, "model_max_length", None))
-    return n if n is not None and n < 10**7 else None  # transformers' "unset" is ~1e30
+    if n is not None and n < 10**7:  # transformers' "unset" is ~1e30
+        return n, "the tokenizer's model_max_length"
+    return None, ""
 
 
 def context_limit(artifact: Artifact, max_model_len: int | None = None, tokenizer=None):
@@ -172,6 +193,8 @@ class Engine:
         self.max_model_len, self.limit_name = context_limit(
             artifact, config.max_model_len, self.tokenizer
         )
+        #: one line to show where the artifact predates the recorded position limit (or None)
+        self.limit_note = limit_fallback_note(artifact, config.max_model_len, self.tokenizer)
         # the cache size is checked against this machine's memory before the weights load
         config.group_blocks(artifact, validate.physical_memory(), self.max_model_len)
         self.eos_token_ids = stop_token_ids(path, self.tokenizer)

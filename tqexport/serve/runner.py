@@ -9,6 +9,7 @@ from pathlib import Path
 
 import uvicorn
 
+from tqexport import validate
 from tqexport.errors import TQExportError
 from tqexport.runtime.engine import Engine, EngineConfig
 
@@ -67,8 +68,7 @@ def serve(
 
     if not 0 <= port <= 65535:
         raise TQExportError(f"--port must be from 0 to 65535, got {port}")
-    if api_key is not None and not api_key.strip():
-        raise TQExportError("--api-key (or TQEXPORT_API_KEY) is empty; give a key or none")
+    validate.api_key(api_key)
     sock = listen(host, port)  # before loading the model: a busy port fails at once
     try:
         engine = Engine.from_artifact(artifact, config)
@@ -89,6 +89,8 @@ def serve(
             lifespan="on",
         )
         server = _Server(uconfig, banner)  # uvicorn's logging is set up from here on
+        if engine.limit_note:
+            log.warning("%s", engine.limit_note)
         if api_key is None and host not in LOOPBACK:
             log.warning("serving on %s without --api-key: anyone who reaches it can use it", host)
         # uvicorn re-raises the signal it stopped on after restoring the handlers it found:

@@ -15,6 +15,7 @@ from tqexport.spec.limits import (
     INCONSISTENT,
     MAX_HEADS,
     MAX_LAYERS,
+    MAX_POSITIONS,
     MAX_VOCAB_SIZE,
     MODEL_DTYPE_NAMES,
     REBUILD,
@@ -36,7 +37,8 @@ from tqexport.validate import MAX_BLOCK_SIZE
 if TYPE_CHECKING:
     from tqexport.spec.model import ModelSpec
 
-#: the fields of the model identity (and "path" where a build recorded its source)
+#: the fields of the model identity (and "path" where a build recorded its source, and
+#: "max_position_embeddings" where it recorded the model's position limit: older builds did not)
 MODEL_KEYS = (
     "name",
     "architecture",
@@ -225,7 +227,7 @@ def check_model_identity(value: Any, num_layers: int) -> dict[str, Any]:
     """The model identity: what the CLI prints (name), what the torch backend reloads (path,
     config_digest), what the graph and sampler size by (num_heads, vocab_size)."""
     m = as_object(value, "spec: field 'model'")
-    known_keys(m, MODEL_KEYS, ("path",), "model")
+    known_keys(m, MODEL_KEYS, ("path", "max_position_embeddings"), "model")
     str_field(m, "name", "model")
     str_field(m, "architecture", "model", max_len=256)
     str_field(m, "source", "model", empty=True)
@@ -240,4 +242,6 @@ def check_model_identity(value: Any, num_layers: int) -> dict[str, Any]:
     int_field(m, "vocab_size", 0, MAX_VOCAB_SIZE, "model")
     if "path" in m:
         str_field(m, "path", "model")
+    if "max_position_embeddings" in m:
+        int_field(m, "max_position_embeddings", 1, MAX_POSITIONS, "model")
     return m

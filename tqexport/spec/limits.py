@@ -20,6 +20,9 @@ MAX_HEADS = 1024
 MAX_KV_HEADS = 1024
 #: sliding-window tokens (more than any model's context)
 MAX_WINDOW = 1 << 24
+#: the model's position limit, its config's max_position_embeddings (the longest contexts are
+#: ~10M tokens)
+MAX_POSITIONS = 1 << 40
 #: vocabulary entries (0 = unknown; the largest vocabularies have ~260k)
 MAX_VOCAB_SIZE = 1 << 24
 #: characters of a name, path or version string

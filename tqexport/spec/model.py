@@ -50,6 +50,12 @@ class ModelSpec:
         raise KeyError(index)
 
     @property
+    def max_position_embeddings(self) -> int | None:
+        """The model's position limit as the build recorded it (None: built before tqexport
+        recorded it, or the model's config has none)."""
+        return self.model.get("max_position_embeddings")
+
+    @property
     def bytes_per_token(self) -> int:
         """KV bytes each cached token adds (recent-window caches, bounded per sequence, aside)."""
         return sum(layer.cache.bytes_per_token for layer in self.layers)

@@ -33,6 +33,7 @@ from tqexport.ops import reference
 from tqexport.ops.attributes import CACHE_WRITE, DOMAIN, PAGED_ATTENTION, attention_segments
 from tqexport.runtime.backends.ort import (
     EXTERNAL_FOLDER_ENTRY,
+    QUIET_SEVERITY,
     apply_weights,
     check_ops,
     providers,
@@ -117,6 +118,7 @@ class _TapSession:
             model.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
         self.output_names = [o.name for o in model.graph.output]
         opts = ort.SessionOptions()
+        opts.log_severity_level = QUIET_SEVERITY
         opts.add_session_config_entry(EXTERNAL_FOLDER_ENTRY, str(artifact.model_file.parent))
         apply_weights(opts, artifact.spec, EXACT_WEIGHTS)
         if threads:

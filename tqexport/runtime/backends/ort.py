@@ -11,6 +11,8 @@ copies every step (the reference the in-place path is tested against).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -78,6 +80,21 @@ def check_ops(model_file) -> None:
             graphs.extend([a.g] * a.HasField("g") + list(a.graphs))
 
 
+#: ORT's log severity for our sessions (4: fatal only): its default logger prints a coloured
+#: line to stderr for every node that fails; the exception carries the same text, which the
+#: failure we raise includes (:func:`ort_failure`)
+QUIET_SEVERITY = 4
+ort.set_default_logger_severity(QUIET_SEVERITY)  # the environment's logger, before any session
+
+
+def ort_failure(e: Exception) -> str:
+    """ONNX Runtime's message of ``e`` without its status prefixes ("[ONNXRuntimeError] : 6 :
+    RUNTIME_EXCEPTION :", "Error in execution:"), on one line."""
+    text = " ".join(str(e).split())
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    return text.removeprefix("Error in execution: ")
+
+
 def providers() -> list[str]:
     available = ort.get_available_providers()
     return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
@@ -93,6 +110,7 @@ def session_options(threads: int | None = None, /, **overrides) -> ort.SessionOp
     if unknown:
         raise TQExportError(f"unknown ORT session option(s): {', '.join(sorted(unknown))}")
     opts = ort.SessionOptions()
+    opts.log_severity_level = QUIET_SEVERITY
     threads = cfg.get("threads", threads)
     if threads:
         opts.intra_op_num_threads = threads
@@ -233,7 +251,18 @@ class OrtBackend:
         return self._binding
 
     def run(self, step: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One step; caches are updated; returns logits ``[L, vocab]``."""
+        """One step; caches are updated; returns logits ``[L, vocab]``. A node that fails
+        raises TQExportError with ONNX Runtime's message (its logger prints nothing)."""
+        try:
+            return self._run(step)
+        except TQExportError:
+            raise
+        except Exception as e:
+            if not type(e).__module__.startswith("onnxruntime") and "status code" not in str(e):
+                raise
+            raise TQExportError(f"ONNX Runtime failed in a step: {ort_failure(e)}") from None
+
+    def _run(self, step: dict[str, torch.Tensor]) -> torch.Tensor:
         if not self.in_place:
             feed = {n: step[n].numpy() if n in step else self._host[n] for n in self.input_names}
             names = [o.name for o in self.session.get_outputs()]
