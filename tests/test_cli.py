@@ -1018,6 +1018,32 @@ def test_graph_onnx_runtime_cannot_load_is_one_line(served, capsys):
     )
 
 
+@pytest.mark.parametrize("command", [["run", "--prompt", "hi"], ["parity", "--steps", "1"]])
+def test_attribute_the_native_kernels_refuse_at_start_up_is_one_line(served, capsys, command):
+    """A graph tampered after its build (window=-1): the native kernel's start-up refusal names
+    the layer and the attribute, in one line (serve and bench open sessions as run does)."""
+    import onnx
+
+    from tqexport.contract.artifact import open_artifact
+    from tqexport.native.library import choose
+
+    art = served()
+    graph = onnx.load(str(art / "model.onnx"), load_external_data=False)
+    node = next(n for n in graph.graph.node if n.op_type == "PagedAttention")
+    next(a for a in node.attribute if a.name == "window").i = -1
+    layer = next(a.i for a in node.attribute if a.name == "layer")
+    onnx.save(graph, str(art / "model.onnx"))
+    if choose(open_artifact(art).spec, "auto").library is None:
+        pytest.skip("the native kernel library cannot be built here (no ONNX Runtime headers)")
+    code, out, err = main_inproc(capsys, command[0], art, *command[1:], "--kernels", "native")
+    assert code == 2 and out == ""
+    assert one_error_line(err, "") == (
+        f"error: ONNX Runtime refused {art / 'model.onnx'} at start-up: layer {layer}'s "
+        "PagedAttention node: window, recent_window and sink_tokens must be >= 0 (it has "
+        "window=-1); the graph was changed after its build, rebuild the artifact"
+    )
+
+
 # --- built-ins joined from chunk wheels (gemma3-270m, qwen2.5-coder-0.5b) ---
 
 

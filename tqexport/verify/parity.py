@@ -35,6 +35,7 @@ from tqexport.runtime.backends.ort import (
     EXTERNAL_FOLDER_ENTRY,
     apply_weights,
     check_ops,
+    open_session,
     providers,
 )
 from tqexport.runtime.backends.torch import load_source_model
@@ -123,7 +124,8 @@ class _TapSession:
             opts.intra_op_num_threads = threads
         if self.kernels.library is not None:
             opts.register_custom_ops_library(str(self.kernels.library))
-        self.session = ort.InferenceSession(model.SerializeToString(), opts, providers=providers())
+        self.session = open_session(model.SerializeToString(), opts, providers(),
+                                    artifact.model_file)  # fmt: skip
         self.input_names = [i.name for i in self.session.get_inputs()]
 
     def run(self, step, caches):
