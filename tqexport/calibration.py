@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqexport import validate
 from tqexport.errors import TQExportError
 from tqexport.kv_layers import parse_kv_layers
 from tqexport.kvquant import transforms
@@ -57,6 +58,9 @@ DEFAULT_CANDIDATES = (
     "tqx_k3v2_mse:w24:s8",
     "tqx_k3v2_mse",
 )
+#: the most candidates a table holds: the measurement and the --kv-bits solver scale with their
+#: number (a dtype, 4 sizes of window and a few of sinks: a few dozen at most make sense)
+MAX_CANDIDATES = 64
 #: calibration tokens scored per candidate and layer (one window from an empty cache)
 DEFAULT_TOKENS = 512
 #: the most calibration tokens (one window from an empty cache)
@@ -65,17 +69,24 @@ MAX_TOKENS = 2**15
 
 def parse_candidates(text: str) -> tuple[str, ...]:
     """'a,b:w8' -> canonical candidates, each checked as a --kv-layers entry (auto refused: it
-    is always a candidate, at cost 0)."""
+    is always a candidate, at cost 0); at most :data:`MAX_CANDIDATES`."""
     out = []
-    for part in [p.strip() for p in text.split(",")]:
+    shown = validate.clip(text)
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) > MAX_CANDIDATES:
+        raise TQExportError(
+            f"--candidates has {len(parts)} values, more than {MAX_CANDIDATES}; measure the "
+            "ones --kv-bits should choose among"
+        )
+    for part in parts:
         if not part:
-            raise TQExportError(f"--candidates {text!r} has an empty value; separate by commas")
+            raise TQExportError(f"--candidates {shown!r} has an empty value; separate by commas")
         r = parse_kv_layers(f"0:{part}")[0]
         if r.dtype == "auto":
             raise TQExportError("--candidates: auto is always a candidate (cost 0); drop it")
         out.append(r.text.split(":", 1)[1])
     if len(set(out)) != len(out):
-        raise TQExportError(f"--candidates {text!r} names a candidate twice; give each once")
+        raise TQExportError(f"--candidates {shown!r} names a candidate twice; give each once")
     return tuple(out)
 
 

@@ -34,6 +34,8 @@ MIN_TEMPERATURE = 1e-5
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.401298464324817e-45
 MAX_RECENT_WINDOW = 2**20
+#: attention layers of a model (the largest have ~130): every layer index given is below it
+MAX_LAYERS = 1024
 #: sink tokens kept in the model dtype per sequence (a few are what attention leans on)
 MAX_SINK_TOKENS = 2**10
 
@@ -78,6 +80,21 @@ def number(value, name: str, minimum: float | None = None, maximum: float | None
     ):
         raise TQExportError(f"{name} must be {rule}, got {x:g}")
     return x
+
+
+def clip(text: str, limit: int = 40) -> str:
+    """``text`` cut to ``limit`` characters (``...`` marks a cut) for a one-line message."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def parse_int(text: str, name: str, minimum: int, maximum: int) -> int:
+    """The decimal integer ``text`` (digits, an optional ``-``) within [minimum, maximum],
+    refused by its length before it is converted: Python refuses to convert more than 4300
+    digits, and a number that long in a message is no help."""
+    digits = len(text.lstrip("-"))
+    if digits > len(str(max(abs(minimum), abs(maximum)))):
+        raise TQExportError(f"{name} must be from {minimum} to {maximum}, got {digits} digits")
+    return integer(int(text), name, minimum, maximum)
 
 
 def choice(value: str, name: str, options) -> str:
