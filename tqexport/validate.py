@@ -15,6 +15,7 @@ import unicodedata
 from pathlib import Path
 
 from tqexport.errors import TQExportError
+from tqexport.safe_files import read_regular_file
 
 #: ``--seed`` of ``run`` and ``parity``: numpy's range; request i samples with seed + i.
 SEED_MAX = 2**32 - 1
@@ -222,19 +223,9 @@ MAX_TEXT_FILE_BYTES = 256 * 2**20
 
 
 def text_file(path: Path, option: str) -> str:
-    """The text of the UTF-8 file ``option`` names, or one error naming both: missing, larger
-    than :data:`MAX_TEXT_FILE_BYTES`, not UTF-8, or blank."""
-    if not path.is_file():
-        raise TQExportError(f"{option} {path} not found")
-    try:
-        size = path.stat().st_size
-        if size > MAX_TEXT_FILE_BYTES:
-            raise TQExportError(
-                f"{option} {path} has {size} bytes, more than {MAX_TEXT_FILE_BYTES}"
-            )
-        data = path.read_bytes()
-    except OSError as e:
-        raise TQExportError(f"cannot read {option} {path}: {e.strerror or e}") from None
+    """The text of the UTF-8 file ``option`` names, or one error naming both: missing, not a
+    regular file, larger than :data:`MAX_TEXT_FILE_BYTES`, not UTF-8, or blank."""
+    data = read_regular_file(path, option, MAX_TEXT_FILE_BYTES)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
