@@ -79,6 +79,25 @@ def test_least_cost_takes_units_with_any_number_of_options():
     assert least_cost(bits, cost, Fraction(-1)) is None
 
 
+def test_least_cost_scales_past_its_front_limit_and_stays_feasible(monkeypatch):
+    """Past MAX_FRONT plans per layer the front is thinned: the plan still fits the budget and
+    costs at least the exact optimum (found with an unlimited front), never 4 GB of states."""
+    import random
+
+    from tqexport import kv_budget
+
+    rng = random.Random(0)
+    bits = [[Fraction(rng.randint(0, 4096 * 64), 4096) for _ in range(12)] for _ in range(8)]
+    cost = [[rng.random() for _ in range(12)] for _ in range(8)]
+    limit = sum(sum(r) / len(r) for r in bits)
+    exact = least_cost(bits, cost, limit)
+    monkeypatch.setattr(kv_budget, "MAX_FRONT", 4)
+    thinned = least_cost(bits, cost, limit)
+    assert thinned[0] <= limit and thinned[1] >= exact[1]
+    assert thinned[0] == sum(bits[u][j] for u, j in enumerate(thinned[2]))
+    assert thinned[1] == pytest.approx(sum(cost[u][j] for u, j in enumerate(thinned[2])))
+
+
 def test_a_budget_below_every_candidate_is_one_error():
     desc = dense(2, dtype="float32")
     table = table_for(desc, ("fp8",), [[0.1], [0.1]])
