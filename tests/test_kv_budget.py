@@ -284,6 +284,16 @@ def test_kv_bits_and_calibrate_refuse_bad_input_in_one_line(capsys, monkeypatch,
     assert list(tmp_path.iterdir()) == []
 
 
+def test_calibrate_output_under_a_file_is_refused_before_measuring(capsys, tmp_path,
+                                                                     monkeypatch):  # fmt: skip
+    (tmp_path / "f").write_text("x")
+    monkeypatch.setattr(cal, "measure", pytest.fail)
+    out = tmp_path / "f" / "sub.json"
+    code, stdout, err = main_inproc(capsys, "calibrate", "tiny-llama", "-o", out)
+    assert (code, stdout) == (2, "")
+    assert err == f"error: {tmp_path / 'f'} is not a directory, so -o {out} cannot be written\n"
+
+
 def test_a_table_of_another_model_or_a_damaged_one_is_refused(tmp_path):
     desc = dense(2, dtype="float32")
     path = tmp_path / "t.json"
