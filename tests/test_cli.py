@@ -1,6 +1,7 @@
 import dataclasses
 import hashlib
 import json
+import os
 import subprocess
 import sys
 
@@ -263,6 +264,10 @@ NOWHERE = "no/such/artifact"
         (["serve", NOWHERE, "--ray", "--max-replicas-per-node", "101"],
          "--max-replicas-per-node must be from 1 to 100, got 101"),
         (["engine", NOWHERE, "--max-batch", "0"], "--max-batch must be from 1"),
+        (["run", NOWHERE, "--prompt", "hi", "--threads", "100000"],
+         f"--threads must be from 1 to {4 * os.cpu_count()}, got 100000"),
+        (["serve", NOWHERE, "--threads", "0"],
+         f"--threads must be from 1 to {4 * os.cpu_count()}, got 0"),
         (["bench", "speed", "tiny-llama", "--steps", "0"], "--steps must be from 1"),
         (["bench", "speed", "tiny-llama", "--contexts", "99999999"], "--contexts values must be"),
         (["bench", "speed", "tiny-llama", "--batches", "0"], "--batches must be positive"),

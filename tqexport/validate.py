@@ -126,6 +126,17 @@ def block_size(value, name: str = "--block-size") -> int:
     return n
 
 
+def max_threads() -> int:
+    """The most threads a session may ask for: 4 per core of this machine (more only add
+    memory and switching; 100000 threads exhausted memory before any work)."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def threads(value, name: str = "--threads") -> int:
+    """ONNX Runtime's intra-op threads: from 1 to :func:`max_threads`."""
+    return integer(value, name, 1, max_threads())
+
+
 def recent_window(value, name: str = "--kv-recent-window") -> int:
     return integer(value, name, 0, MAX_RECENT_WINDOW)
 

@@ -23,6 +23,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from tqexport import validate
 from tqexport.contract.artifact import Artifact
 from tqexport.contract.caches import allocate_caches, cache_output_name
 from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
@@ -229,6 +230,8 @@ def run_parity(
     """Prefill + ``steps`` decode steps; see the module docstring for what is compared.
     ``threads``: ORT intra-op threads (None = ORT's default), which sets its summation order;
     ``kernels``: what runs the tqexport nodes on ORT (``--kernels``)."""
+    if threads is not None:
+        validate.threads(threads, "threads")
     spec = artifact.spec
     if prompt_len < 1 or batch < 1 or steps < 0:
         raise TQExportError("--prompt-len and --batch must be >= 1, --steps >= 0")
