@@ -45,6 +45,15 @@ def test_skip_sw_on_gemma_is_in_spec_and_graph(artifacts):
     assert json.loads(meta["tqexport.spec"]) == json.loads((art.path / "tqexport.json").read_text())
 
 
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma2"])
+def test_block_size_1_builds_and_matches_the_reference(artifacts, model):
+    """The help allows --block-size 1: the export's example step holds enough one-token blocks
+    (it gave IndexError), and the artifact runs as the reference does (windows included)."""
+    art = open_artifact(artifacts(model, "fp8", block_size=1))
+    assert art.spec.block_size == 1
+    assert run_parity(art, steps=2, prompt_len=6, batch=2).ok
+
+
 def test_graph_shape_per_layer(artifacts):
     """Each cache input feeds only its CacheWrite, whose output is the graph output itself."""
     art = open_artifact(artifacts("tiny-llama", "fp8"))

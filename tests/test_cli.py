@@ -267,6 +267,10 @@ NOWHERE = "no/such/artifact"
         (["serve", NOWHERE, "--ray", "--max-replicas-per-node", "101"],
          "--max-replicas-per-node must be from 1 to 100, got 101"),
         (["engine", NOWHERE, "--max-batch", "0"], "--max-batch must be from 1"),
+        (["run", NOWHERE, "--prompt", "hi", "--threads", "100000"],
+         f"--threads must be from 1 to {4 * os.cpu_count()}, got 100000"),
+        (["serve", NOWHERE, "--threads", "0"],
+         f"--threads must be from 1 to {4 * os.cpu_count()}, got 0"),
         (["bench", "speed", "tiny-llama", "--steps", "0"], "--steps must be from 1"),
         (["bench", "speed", "tiny-llama", "--contexts", "99999999"], "--contexts values must be"),
         (["bench", "speed", "tiny-llama", "--batches", "0"], "--batches must be positive"),
@@ -1117,6 +1121,32 @@ def test_graph_onnx_runtime_cannot_load_is_one_line(served, capsys):
     assert one_error_line(err, "") == (
         f"error: ONNX Runtime cannot load {art / 'model.onnx'}: Node ({name}) Op (Concat) "
         "[ShapeInferenceError] axis must be in [-rank, rank-1].; rebuild the artifact"
+    )
+
+
+@pytest.mark.parametrize("command", [["run", "--prompt", "hi"], ["parity", "--steps", "1"]])
+def test_attribute_the_native_kernels_refuse_at_start_up_is_one_line(served, capsys, command):
+    """A graph tampered after its build (window=-1): the native kernel's start-up refusal names
+    the layer and the attribute, in one line (serve and bench open sessions as run does)."""
+    import onnx
+
+    from tqexport.contract.artifact import open_artifact
+    from tqexport.native.library import choose
+
+    art = served()
+    graph = onnx.load(str(art / "model.onnx"), load_external_data=False)
+    node = next(n for n in graph.graph.node if n.op_type == "PagedAttention")
+    next(a for a in node.attribute if a.name == "window").i = -1
+    layer = next(a.i for a in node.attribute if a.name == "layer")
+    onnx.save(graph, str(art / "model.onnx"))
+    if choose(open_artifact(art).spec, "auto").library is None:
+        pytest.skip("the native kernel library cannot be built here (no ONNX Runtime headers)")
+    code, out, err = main_inproc(capsys, command[0], art, *command[1:], "--kernels", "native")
+    assert code == 2 and out == ""
+    assert one_error_line(err, "") == (
+        f"error: ONNX Runtime refused {art / 'model.onnx'} at start-up: layer {layer}'s "
+        "PagedAttention node: window, recent_window and sink_tokens must be >= 0 (it has "
+        "window=-1); the graph was changed after its build, rebuild the artifact"
     )
 
 

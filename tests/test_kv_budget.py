@@ -79,6 +79,25 @@ def test_least_cost_takes_units_with_any_number_of_options():
     assert least_cost(bits, cost, Fraction(-1)) is None
 
 
+def test_least_cost_scales_past_its_front_limit_and_stays_feasible(monkeypatch):
+    """Past MAX_FRONT plans per layer the front is thinned: the plan still fits the budget and
+    costs at least the exact optimum (found with an unlimited front), never 4 GB of states."""
+    import random
+
+    from tqexport import kv_budget
+
+    rng = random.Random(0)
+    bits = [[Fraction(rng.randint(0, 4096 * 64), 4096) for _ in range(12)] for _ in range(8)]
+    cost = [[rng.random() for _ in range(12)] for _ in range(8)]
+    limit = sum(sum(r) / len(r) for r in bits)
+    exact = least_cost(bits, cost, limit)
+    monkeypatch.setattr(kv_budget, "MAX_FRONT", 4)
+    thinned = least_cost(bits, cost, limit)
+    assert thinned[0] <= limit and thinned[1] >= exact[1]
+    assert thinned[0] == sum(bits[u][j] for u, j in enumerate(thinned[2]))
+    assert thinned[1] == pytest.approx(sum(cost[u][j] for u, j in enumerate(thinned[2])))
+
+
 def test_a_budget_below_every_candidate_is_one_error():
     desc = dense(2, dtype="float32")
     table = table_for(desc, ("fp8",), [[0.1], [0.1]])
@@ -265,6 +284,16 @@ def test_kv_bits_and_calibrate_refuse_bad_input_in_one_line(capsys, monkeypatch,
     assert list(tmp_path.iterdir()) == []
 
 
+def test_calibrate_output_under_a_file_is_refused_before_measuring(capsys, tmp_path,
+                                                                     monkeypatch):  # fmt: skip
+    (tmp_path / "f").write_text("x")
+    monkeypatch.setattr(cal, "measure", pytest.fail)
+    out = tmp_path / "f" / "sub.json"
+    code, stdout, err = main_inproc(capsys, "calibrate", "tiny-llama", "-o", out)
+    assert (code, stdout) == (2, "")
+    assert err == f"error: {tmp_path / 'f'} is not a directory, so -o {out} cannot be written\n"
+
+
 def test_a_table_of_another_model_or_a_damaged_one_is_refused(tmp_path):
     desc = dense(2, dtype="float32")
     path = tmp_path / "t.json"
@@ -275,12 +304,73 @@ def test_a_table_of_another_model_or_a_damaged_one_is_refused(tmp_path):
     d = json.loads(path.read_text())
     d["cost"][1] = [-1.0]
     path.write_text(json.dumps(d))
-    with pytest.raises(TQExportError, match="is not a `tqexport calibrate` table \\(a cost is "
-                       "negative or not finite\\)"):  # fmt: skip
+    with pytest.raises(TQExportError, match="is not a `tqexport calibrate` table \\(a cost "
+                       "-1 is not from 0 to 1e\\+06\\)"):  # fmt: skip
         cal.read_table(path)
     path.write_text("{")
-    with pytest.raises(TQExportError, match=r"not a `tqexport calibrate` table \(not JSON\)"):
+    with pytest.raises(TQExportError, match=r"t.json is not valid JSON \(Expecting"):
         cal.read_table(path)
+
+
+def _table_text(desc, **edits) -> str:
+    d = table_for(desc, ("fp8",), [[0.1]] * len(desc.layers)).to_dict()
+    return json.dumps(d | edits)
+
+
+BAD = " is not a `tqexport calibrate` table"
+AGAIN = "; measure it again with `tqexport calibrate`"
+
+
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda desc: _table_text(desc).replace('"cost": ', '"cost": ' + "[" * 100_000),
+         " is not valid JSON (nested too deeply)" + AGAIN),
+        (lambda desc: _table_text(desc).replace("0.1", "9" * 400, 1),
+         " has an integer of 400 digits (at most 40)" + AGAIN),
+        (lambda desc: _table_text(desc).replace("0.1", "1" + "0" * 400 + ".0", 1),
+         f" is not valid JSON (number 1{'0' * 39} is out of range)" + AGAIN),
+        (lambda desc: _table_text(desc).replace("0.1", "NaN", 1),
+         " is not valid JSON (NaN is not a JSON number)" + AGAIN),
+        (lambda desc: _table_text(desc, cost=[[1e7]] * 6),
+         BAD + " (a cost 1e+07 is not from 0 to 1e+06)" + AGAIN),
+        (lambda desc: _table_text(desc, cost=[[0.1]] * 5),
+         BAD + " (cost is not one row per layer, one column per candidate)" + AGAIN),
+        (lambda desc: _table_text(desc, baseline_ppl=True),
+         BAD + " (baseline_ppl must be a number)" + AGAIN),
+        (lambda desc: _table_text(desc, candidates=[f"fp8:w{i + 1}" for i in range(65)]),
+         BAD + " (candidates must be a list of 1 to 64)" + AGAIN),
+        (lambda desc: _table_text(desc, model={"num_layers": 10**30}),
+         BAD + " (model.num_layers must be from 1 to 1024)" + AGAIN),
+        (lambda desc: " " * (8 * 2**20 + 1),
+         f" has {8 * 2**20 + 1} bytes, more than {8 * 2**20}"),
+    ],
+)  # fmt: skip
+def test_a_tampered_table_is_one_line_for_plan_build_and_bench(capsys, tmp_path, make, message):
+    """Tables are parsed as strictly as a spec: deep nesting (RecursionError), a 400-digit cost
+    (OverflowError), values out of range or of the wrong shape are one line, exit 2."""
+    path = tmp_path / "t.json"
+    path.write_text(make(describe_model("tiny-llama")))
+    for args in (["plan", "tiny-llama"], ["build", "tiny-llama", "-o", tmp_path / "out"],
+                 ["bench", "quality", "tiny-llama"]):  # fmt: skip
+        code, out, err = main_inproc(capsys, *args, "--kv-bits", "8", "--calibration", path)
+        assert (code, out, err) == (2, "", f"error: --calibration {path}{message}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "directory"])
+def test_a_table_that_is_not_a_regular_file_is_refused_without_reading(capsys, tmp_path, kind):
+    """/dev/zero would be read until memory runs out, a FIFO would block forever."""
+    import os
+
+    path = {"device": Path("/dev/zero"), "fifo": tmp_path / "f", "directory": tmp_path}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    code, out, err = main_inproc(capsys, "plan", "tiny-llama", "--kv-bits", "8",
+                                 "--calibration", path)  # fmt: skip
+    what = {"device": "a device", "fifo": "a FIFO", "directory": "a directory"}[kind]
+    assert (code, out) == (2, "")
+    assert err == f"error: --calibration {path} is {what}; give a regular file\n"
 
 
 def test_bench_quality_kv_bits_scores_the_chosen_plan_with_its_prediction(tmp_path, monkeypatch):

@@ -188,6 +188,63 @@ def test_cli_refuses_bad_kv_layers_before_any_work(capsys, monkeypatch, tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
+BIG = "9" * 5000  # Python refuses to convert more than 4300 digits
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["plan", "tiny-llama", "--kv-layers", f"{BIG}:fp8"],
+         "--kv-layers 9999999999999999999999999999999999999...: a layer index must be from 0 to "
+         "1023, got 5000 digits"),
+        (["plan", "tiny-llama", "--kv-layers", "1024:fp8"],
+         "--kv-layers 1024:fp8: a layer index must be from 0 to 1023, got 1024"),
+        (["plan", "tiny-llama", "--kv-layers", f"0-{BIG}:fp8"],
+         "--kv-layers 0-99999999999999999999999999999999999...: a layer index must be from 0 to "
+         "1023, got 5000 digits"),
+        (["plan", "tiny-llama", "--kv-layers", f"0:fp8:w{BIG}"],
+         "--kv-layers 0:fp8:w999999999999999999999999999999...: the recent window wN must be "
+         "from 0 to 1048576, got 5000 digits"),
+        (["plan", "tiny-llama", "--kv-layers", f"0:fp8:w4:s{BIG}"],
+         "--kv-layers 0:fp8:w4:s999999999999999999999999999...: the sink tokens sN must be "
+         "from 0 to 1024, got 5000 digits"),
+        (["plan", "tiny-llama", "--kv-layers", ",".join(["0:fp8"] * 1025)],
+         "--kv-layers has 1025 entries, more than a model has layers (1024 at most); join ranges "
+         "as START-END:DTYPE"),
+        (["plan", "tiny-llama", "--kv-cache-dtype", "fp8", "--skip-layers", BIG],
+         "--skip-layers 9999999999999999999999999999999999999...: N must be from -1024 to 1023, "
+         "got 5000 digits"),
+        (["plan", "tiny-llama", "--kv-cache-dtype", "fp8", "--skip-layers", f"-{BIG}"],
+         "--skip-layers -999999999999999999999999999999999999...: N must be from -1024 to 1023, "
+         "got 5000 digits"),
+        (["plan", "tiny-llama", "--kv-cache-dtype", "fp8", "--skip-layers", f"0-{BIG}"],
+         "--skip-layers 0-99999999999999999999999999999999999...: N must be from 0 to 1023, got "
+         "5000 digits"),
+        (["plan", "tiny-llama", "--kv-cache-dtype", "fp8", "--skip-layers", f"boundary:{BIG}"],
+         "--skip-layers boundary:9999999999999999999999999999...: N must be from 1 to 1024, got "
+         "5000 digits"),
+        (["plan", "tiny-llama", "--kv-cache-dtype", "fp8", "--skip-layers", ",".join("0" * 1025)],
+         "--skip-layers has more than 1024 patterns (a model has at most that many layers); use "
+         "ranges such as 0-3"),
+        (["calibrate", "tiny-llama", "-o", "x.json", "--candidates", f"fp8:w{BIG}"],
+         "--kv-layers 0:fp8:w999999999999999999999999999999...: the recent window wN must be "
+         "from 0 to 1048576, got 5000 digits"),
+        (["calibrate", "tiny-llama", "-o", "x.json", "--candidates",
+          ",".join(f"fp8:w{i + 1}" for i in range(65))],
+         "--candidates has 65 values, more than 64; measure the ones --kv-bits should choose "
+         "among"),
+    ],
+)  # fmt: skip
+def test_huge_numbers_in_layer_options_are_one_line(capsys, monkeypatch, tmp_path, args,
+                                                    message):  # fmt: skip
+    """Every number of --kv-layers, --skip-layers and calibrate --candidates is bounded as it
+    is parsed (5000 digits would be a ValueError traceback from int())."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = main_inproc(capsys, *args)
+    assert (code, out, err) == (2, "", f"error: {message}\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_built_mixed_artifact_matches_the_reference(artifacts):
     from tqexport.verify.parity import run_parity
 

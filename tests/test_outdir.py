@@ -116,6 +116,36 @@ def test_unwritable_location_fails_before_loading(tmp_path, monkeypatch):
     assert tree(tmp_path) == []
 
 
+def test_a_folder_that_cannot_be_searched_is_one_line_before_any_work(tmp_path, monkeypatch,
+                                                                       capsys):  # fmt: skip
+    """As an unprivileged user in a folder without search permission, every stat under it
+    fails with EACCES (root is never refused, so the refusal is simulated): one line, exit 2,
+    before --kv-bits measures its table."""
+    from helpers import main_inproc
+
+    from tqexport import calibration
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = outdir.Path.lstat
+
+    def lstat(self):
+        if str(self).startswith(str(locked) + os.sep):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(outdir.Path, "lstat", lstat)
+    monkeypatch.setattr(calibration, "measure", pytest.fail)
+    out = locked / "inner" / "x"
+    code, stdout, err = main_inproc(capsys, "build", "tiny-llama", "-o", out, "--kv-bits", "8")
+    assert (code, stdout) == (2, "")
+    assert err == (
+        f"error: {out} cannot be looked at (Permission denied), so -o {out} cannot be checked; "
+        "choose another -o\n"
+    )
+    assert tree(tmp_path) == ["locked"]
+
+
 def test_full_disk_and_failed_export_leave_nothing(tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(outdir.shutil, "disk_usage", lambda p: usage(1 << 30, 1 << 30, 1 << 20))

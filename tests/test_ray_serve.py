@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from helpers import with_byte_tokenizer
+from helpers import main_inproc, with_byte_tokenizer
 
 from tqexport.serve.app import REPLICA_HEADER
 from tqexport.serve.runner import listen
@@ -155,3 +155,30 @@ def test_two_replicas_share_load_and_survive_a_killed_replica(texty):
             proc.kill()
             proc.wait(30)
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_an_unreachable_ray_address_is_one_line_not_a_retry_forever(artifacts, capsys,
+                                                                     monkeypatch):  # fmt: skip
+    """ray.init retries an address nothing listens at forever: it is probed first (only
+    127.0.0.1 is ever contacted here)."""
+    from tqexport.serve import ray_serve
+
+    monkeypatch.setattr(ray_serve.socket, "create_connection", _loopback_only(
+        ray_serve.socket.create_connection))  # fmt: skip
+    art = artifacts("tiny-llama", "fp8")
+    start = time.monotonic()
+    code, out, err = main_inproc(capsys, "serve", art, "--ray", "--ray-address", "127.0.0.1:1")
+    assert time.monotonic() - start < ray_serve.JOIN_TIMEOUT
+    assert (code, out) == (2, "")
+    assert err == (
+        "error: cannot join the Ray cluster at 127.0.0.1:1: Connection refused; start one "
+        "there (`ray start --head`) or give its address\n"
+    )
+
+
+def _loopback_only(connect):
+    def guarded(address, *args, **kwargs):
+        assert address[0] == "127.0.0.1", address
+        return connect(address, *args, **kwargs)
+
+    return guarded

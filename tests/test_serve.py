@@ -601,3 +601,77 @@ def test_the_engine_thread_only_steps(live, monkeypatch):
         sender.join(60)
     assert done["big"].status_code == 200, done["big"].text
     assert len(threads) == 2 and all(t.startswith("tqexport-prepare") for t in threads), threads
+
+
+def test_large_chat_bodies_never_delay_a_short_request(live, monkeypatch):
+    """The repro: concurrent 7.5 MB chat bodies took every tokenizing worker and a short
+    request waited 10-22 s. Large prompts now queue on their own worker: with more of them
+    held there than there are workers, a short request still runs at once."""
+    from tqexport.serve import loop as serve_loop
+
+    monkeypatch.setattr(serve_loop, "LARGE_PROMPT_CHARS", 1000)  # the body limit here: 64 KiB
+    engine = live.engine
+    real, entered, release = engine.prompt_ids, threading.Semaphore(0), threading.Event()
+
+    def prompt_ids(prompt, *args, **kw):
+        if isinstance(prompt, list) and len(prompt) == 200:
+            entered.release()
+            assert release.wait(60)
+        return real(prompt, *args, **kw)
+
+    monkeypatch.setattr(engine, "prompt_ids", prompt_ids)
+    big = {
+        "model": MODEL,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "x" * 20}] * 200,
+    }
+
+    def send_big():
+        httpx.post(live.base + "/v1/chat/completions", json=big, headers=AUTH, timeout=90)
+
+    senders = [threading.Thread(target=send_big) for _ in range(serve_loop.PREPARE_WORKERS + 1)]
+    for t in senders:
+        t.start()
+    try:
+        assert entered.acquire(timeout=30)
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        r = httpx.post(live.base + "/v1/completions", json=body, headers=AUTH, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert not entered.acquire(timeout=0.5)  # the large ones wait for each other only
+    finally:
+        release.set()
+        for t in senders:
+            t.join(90)
+
+
+def test_too_many_chat_messages_are_a_400_before_any_work(small_engine, monkeypatch):
+    from tqexport.serve.protocol import MAX_MESSAGES
+
+    monkeypatch.setattr(small_engine, "prompt_ids", pytest.fail)
+    body = {"model": MODEL, "max_tokens": 4,
+            "messages": [{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1)}  # fmt: skip
+    with TestClient(create_app(small_engine, MODEL)) as c:
+        r = c.post("/v1/chat/completions", json=body)
+    error(r, 400, "messages", "too_many_messages",
+          f"^messages has {MAX_MESSAGES + 1} items, more than {MAX_MESSAGES}; send a shorter "
+          "conversation$")  # fmt: skip
+
+
+def test_a_template_past_its_time_limit_leaves_nothing_to_report(monkeypatch):
+    """Its generator is closed untimed: closed later, while another render traces the thread,
+    it raised TemplateLimit where nothing catches it ("Exception ignored in: <generator>")."""
+    import gc
+
+    from tqexport.runtime.text import TemplateLimit, render_chat_template
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    slow = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    messages = [{"role": "user", "content": "x"}] * 200_000
+    for _ in range(3):
+        with pytest.raises(TemplateLimit, match="took longer than 0.05 s"):
+            render_chat_template(slow, {"messages": messages}, seconds=0.05)
+        assert render_chat_template("{{ 1 }}", {}) == "1"  # traced while the old one goes
+        gc.collect()
+    assert unraisable == []

@@ -36,11 +36,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqexport import validate
 from tqexport.errors import TQExportError
 from tqexport.kv_layers import parse_kv_layers
 from tqexport.kvquant import transforms
 from tqexport.kvquant.modes import parse_kv_cache_dtype
-from tqexport.safe_files import write_output
+from tqexport.safe_files import read_regular_file, write_output
 
 FORMAT, VERSION = "tqexport-kv-calibration", 2
 #: the versions read (1: written before key transforms, so measured without one)
@@ -57,6 +58,16 @@ DEFAULT_CANDIDATES = (
     "tqx_k3v2_mse:w24:s8",
     "tqx_k3v2_mse",
 )
+#: the most candidates a table holds: the measurement and the --kv-bits solver scale with their
+#: number (a dtype, 4 sizes of window and a few of sinks: a few dozen at most make sense)
+MAX_CANDIDATES = 64
+#: the largest table file read (1024 layers of 64 candidates take about 2 MiB)
+MAX_TABLE_BYTES = 8 * 2**20
+#: the largest cost a table may give (mean KL in nats per prediction: a cache that loses all
+#: information costs about ln(vocabulary) < 20; the sum over every layer stays exact in a float)
+MAX_COST = 1e6
+#: how every message about a damaged table ends
+_REMEASURE = "; measure it again with `tqexport calibrate`"
 #: calibration tokens scored per candidate and layer (one window from an empty cache)
 DEFAULT_TOKENS = 512
 #: the most calibration tokens (one window from an empty cache)
@@ -65,17 +76,24 @@ MAX_TOKENS = 2**15
 
 def parse_candidates(text: str) -> tuple[str, ...]:
     """'a,b:w8' -> canonical candidates, each checked as a --kv-layers entry (auto refused: it
-    is always a candidate, at cost 0)."""
+    is always a candidate, at cost 0); at most :data:`MAX_CANDIDATES`."""
     out = []
-    for part in [p.strip() for p in text.split(",")]:
+    shown = validate.clip(text)
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) > MAX_CANDIDATES:
+        raise TQExportError(
+            f"--candidates has {len(parts)} values, more than {MAX_CANDIDATES}; measure the "
+            "ones --kv-bits should choose among"
+        )
+    for part in parts:
         if not part:
-            raise TQExportError(f"--candidates {text!r} has an empty value; separate by commas")
+            raise TQExportError(f"--candidates {shown!r} has an empty value; separate by commas")
         r = parse_kv_layers(f"0:{part}")[0]
         if r.dtype == "auto":
             raise TQExportError("--candidates: auto is always a candidate (cost 0); drop it")
         out.append(r.text.split(":", 1)[1])
     if len(set(out)) != len(out):
-        raise TQExportError(f"--candidates {text!r} names a candidate twice; give each once")
+        raise TQExportError(f"--candidates {shown!r} names a candidate twice; give each once")
     return tuple(out)
 
 
@@ -111,31 +129,59 @@ class Table:
 
 
 def read_table(path: Path, option: str = "--calibration") -> Table:
-    """A table file, checked: one error naming the file and what is wrong."""
+    """A table file, checked as strictly as a spec (a regular file of at most
+    :data:`MAX_TABLE_BYTES`, strict JSON, every field's type and range): one error naming the
+    file and what is wrong."""
+    from tqexport.spec.reading import strict_json
+
     bad = f"{option} {path} is not a `tqexport calibrate` table"
-    try:
-        d = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise TQExportError(f"{option} {path} not found") from None
-    except (OSError, ValueError, UnicodeDecodeError):
-        raise TQExportError(f"{bad} (not JSON)") from None
+    d = strict_json(read_regular_file(path, option, MAX_TABLE_BYTES), f"{option} {path}",
+                    _REMEASURE, MAX_TABLE_BYTES, TQExportError)  # fmt: skip
     if not isinstance(d, dict) or d.get("format") != FORMAT or d.get("version") not in READS:
         raise TQExportError(f"{bad} (format {FORMAT!r} version {VERSION} expected)")
     try:
         kinds = transforms.parse_key_transform(
-            str(d["key_transform"]) if d["version"] > 1 else transforms.NONE
+            _text(d["key_transform"]) if d["version"] > 1 else transforms.NONE
         )
-        cands = parse_candidates(",".join(d["candidates"]))
-        cost = tuple(tuple(float(x) for x in row) for row in d["cost"])
-        model, text = dict(d["model"]), dict(d["text"])
-        ppl, secs = float(d["baseline_ppl"]), float(d["elapsed_seconds"])
+        names = d["candidates"]
+        if not isinstance(names, list) or not 1 <= len(names) <= MAX_CANDIDATES:
+            raise ValueError(f"candidates must be a list of 1 to {MAX_CANDIDATES}")
+        cands = parse_candidates(",".join(map(_text, names)))
+        model, text = d["model"], d["text"]
+        if not isinstance(model, dict) or not isinstance(text, dict):
+            raise ValueError("model and text must be objects")
+        layers = model.get("num_layers")
+        if not isinstance(layers, int) or not 1 <= layers <= validate.MAX_LAYERS:
+            raise ValueError(f"model.num_layers must be from 1 to {validate.MAX_LAYERS}")
+        rows = d["cost"]
+        if (
+            not isinstance(rows, list)
+            or len(rows) != layers
+            or not all(isinstance(r, list) and len(r) == len(cands) for r in rows)
+        ):
+            raise ValueError("cost is not one row per layer, one column per candidate")
+        cost = tuple(tuple(_number(x, "a cost", 0.0, MAX_COST) for x in r) for r in rows)
+        ppl = _number(d["baseline_ppl"], "baseline_ppl", 1.0, math.inf)
+        secs = _number(d["elapsed_seconds"], "elapsed_seconds", 0.0, math.inf)
     except (KeyError, TypeError, ValueError, TQExportError) as e:
-        raise TQExportError(f"{bad} ({e})") from None
-    if len(cost) != model.get("num_layers") or any(len(r) != len(cands) for r in cost):
-        raise TQExportError(f"{bad} (cost is not one row per layer, one column per candidate)")
-    if not all(math.isfinite(x) and x >= 0 for row in cost for x in row):
-        raise TQExportError(f"{bad} (a cost is negative or not finite)")
+        raise TQExportError(f"{bad} ({validate.clip(str(e), 200)}){_REMEASURE}") from None
     return Table(model, text, cands, cost, ppl, secs, transforms.key_transform_label(kinds))
+
+
+def _text(value) -> str:
+    if not isinstance(value, str) or len(value) > 200:
+        raise ValueError(f"{validate.clip(repr(value))} is not a short string")
+    return value
+
+
+def _number(value, name: str, low: float, high: float) -> float:
+    """A finite JSON number within [low, high] (the parser already refused NaN and huge ones)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number")
+    x = float(value)
+    if not (math.isfinite(x) and low <= x <= high):
+        raise ValueError(f"{name} {x:g} is not from {low:g} to {high:g}")
+    return x
 
 
 def check_fits(table: Table, desc, path) -> None:

@@ -345,7 +345,9 @@ def build(
 ):
     """Export MODEL with per-layer KV caches: model.onnx + tqexport.json + tokenizer."""
     from tqexport.export.artifact import build_artifact
+    from tqexport.export.outdir import check_target
 
+    check_target(out, force)  # before --kv-bits measures a table
     request = _build_request(ctx, model, dtype=dtype or "float32", opset=opset, weights=weights,
                              kv_scales=kv_scales, calibration_text=calibration_text)  # fmt: skip
     labels = {

@@ -1,7 +1,11 @@
 """``--kv-bits B``: each layer's cache chosen from a calibration table under a bits budget.
 
-A knapsack solved exactly: dynamic programming over the layers, each state a (bits, predicted
-cost) pair of a partial plan, keeping only the Pareto front (fewer bits or less cost). Bits are
+A knapsack: dynamic programming over the layers, each state a (bits, predicted cost) pair of a
+partial plan, keeping only the Pareto front (fewer bits or less cost). Exact while a front holds
+at most :data:`MAX_FRONT` plans (the default candidates on every model measured); a larger front
+is thinned to the cheapest plan of each of MAX_FRONT equal spans of bits, so time and memory
+stay O(layers x MAX_FRONT x options) whatever the table (options: at most
+:data:`tqexport.calibration.MAX_CANDIDATES` + 1). Bits are
 exact (:class:`fractions.Fraction`): every candidate's all-in bits per token of each layer, as
 ``bench quality`` counts them (unquantized storage at 16 bits; recent windows and sliding
 layers, which hold a window of each sequence, amortized over 4096 tokens); the predicted cost
@@ -10,12 +14,17 @@ of a plan is the sum of its layers' measured costs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
+
+import numpy as np
 
 from tqexport.errors import TQExportError
 
 UNQUANTIZED = "auto"
+#: partial plans kept per layer (see the module docstring)
+MAX_FRONT = 2048
 
 
 @dataclass(frozen=True)
@@ -52,23 +61,41 @@ def least_cost(
 ) -> tuple[Fraction, float, tuple[int, ...]] | None:
     """One option per unit (``bits[u][j]``, ``cost[u][j]``) with the least summed cost whose
     summed bits are at most ``limit``: (bits, cost, the options picked), or None where even the
-    fewest bits exceed it. Exact: Pareto fronts of partial plans, unit by unit."""
-    front: list[tuple[Fraction, float, tuple[int, ...]]] = [(Fraction(0), 0.0, ())]
-    for u in range(len(bits)):
-        grown = sorted(
-            (b + bits[u][j], c + cost[u][j], picks + (j,))
-            for b, c, picks in front
-            for j in range(len(bits[u]))
-        )
-        front = []
-        for state in grown:  # ascending bits: keep a state only if it costs less than all before
-            if not front or state[1] < front[-1][1]:
-                front.append(state)
-        rest = sum(min(row) for row in bits[u + 1 :])
-        front = [s for s in front if s[0] + rest <= limit]
-        if not front:
+    fewest bits exceed it. Pareto fronts of partial plans, unit by unit, on exact integer bits
+    (scaled by the denominators' least common multiple); exact while a front holds at most
+    :data:`MAX_FRONT` plans, else thinned to that many spread over its bits (see the module)."""
+    scale = math.lcm(*(Fraction(b).denominator for row in bits for b in row))
+    units = [np.array([int(Fraction(b) * scale) for b in row], np.int64) for row in bits]
+    if sum(int(u.max()) for u in units) >= 2**62 // max(len(units), 1):
+        raise TQExportError("--kv-bits: the candidates' bits are too fine to add up exactly")
+    top = math.floor(Fraction(limit) * scale)
+    rest = np.cumsum([0] + [int(u.min()) for u in units[::-1]])[::-1]  # fewest bits from u on
+    front_bits, front_cost = np.zeros(1, np.int64), np.zeros(1)
+    steps = []  # per unit: each kept plan's (parent plan, option)
+    for u, (ub, uc) in enumerate(zip(units, cost, strict=True)):
+        k = len(ub)
+        b = (front_bits[:, None] + ub[None, :]).ravel()
+        c = (front_cost[:, None] + np.asarray(uc, np.float64)[None, :]).ravel()
+        ok = np.flatnonzero(b + rest[u + 1] <= top)
+        if not len(ok):
             return None
-    return front[-1]
+        ok = ok[np.lexsort((c[ok], b[ok]))]  # ascending bits, then cost; ties keep their order
+        b, c = b[ok], c[ok]
+        # keep a plan only if it costs less than every plan of fewer (or as many) bits
+        best_before = np.concatenate(([np.inf], np.minimum.accumulate(c)[:-1]))
+        keep = c < best_before
+        ok, b, c = ok[keep], b[keep], c[keep]
+        if len(b) > MAX_FRONT:  # the cheapest plan of each of MAX_FRONT equal spans of bits
+            span = (b - b[0]) * MAX_FRONT // (int(b[-1] - b[0]) + 1)
+            last = np.flatnonzero(np.append(span[1:] != span[:-1], True))
+            ok, b, c = ok[last], b[last], c[last]
+        steps.append((ok // k, ok % k))
+        front_bits, front_cost = b, c
+    picks, at = [], len(front_bits) - 1
+    for parent, option in reversed(steps):
+        picks.append(int(option[at]))
+        at = int(parent[at])
+    return Fraction(int(front_bits[-1]), scale), float(front_cost[-1]), tuple(picks[::-1])
 
 
 def choose(desc, table, budget: float) -> Choice:

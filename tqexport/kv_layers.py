@@ -42,12 +42,21 @@ class LayerRange:
         return f"{where}:{self.dtype}{extra}"
 
 
+def _number(text: str, name: str, maximum: int) -> int:
+    try:
+        return validate.parse_int(text, name, 0, maximum)
+    except TQExportError as e:
+        raise ResolveError(str(e)) from None
+
+
 def _entry(text: str) -> LayerRange:
     m = _ENTRY.fullmatch(text)
+    shown = validate.clip(text)
     if m is None:
-        raise ResolveError(f"{OPTION}: malformed entry {text!r}; {_SYNTAX}")
-    start = int(m[1])
-    stop = int(m[2]) if m[2] is not None else start
+        raise ResolveError(f"{OPTION}: malformed entry {shown!r}; {_SYNTAX}")
+    last = validate.MAX_LAYERS - 1
+    start = _number(m[1], f"{OPTION} {shown}: a layer index", last)
+    stop = _number(m[2], f"{OPTION} {shown}: a layer index", last) if m[2] is not None else start
     if start > stop:
         raise ResolveError(f"{OPTION} {text}: range start is after its end; write {stop}-{start}")
     try:
@@ -55,18 +64,14 @@ def _entry(text: str) -> LayerRange:
     except TQExportError as e:
         raise ResolveError(f"{OPTION} {text}: {e}") from None
     found: dict[str, int] = {}
+    what = {"w": ("the recent window wN", validate.MAX_RECENT_WINDOW),
+            "s": ("the sink tokens sN", validate.MAX_SINK_TOKENS)}  # fmt: skip
     for part in m[4].split(":")[1:]:
         if part[0] in found:
-            raise ResolveError(f"{OPTION} {text}: {part[0]}N is given twice; give it once")
-        found[part[0]] = int(part[1:])
+            raise ResolveError(f"{OPTION} {shown}: {part[0]}N is given twice; give it once")
+        name, maximum = what[part[0]]
+        found[part[0]] = _number(part[1:], f"{OPTION} {shown}: {name}", maximum)
     window, sinks = found.get("w"), found.get("s")
-    try:
-        if window is not None:
-            validate.recent_window(window, f"{OPTION} {text}: the recent window wN")
-        if sinks is not None:
-            validate.sink_tokens(sinks, f"{OPTION} {text}: the sink tokens sN")
-    except TQExportError as e:
-        raise ResolveError(str(e)) from None
     if (window or sinks) and not entry.mode.is_quantized:
         raise ResolveError(
             f"{OPTION} {text}: {m[3]} is not quantized, so a recent window or sink tokens have "
@@ -84,7 +89,12 @@ def parse_kv_layers(text: str) -> tuple[LayerRange, ...]:
     """Every entry of ``text``, in order; one error naming the first bad or overlapping one."""
     parts = [p.strip() for p in text.split(",")]
     if not all(parts):
-        raise ResolveError(f"{OPTION} {text!r} has an empty entry; {_SYNTAX}")
+        raise ResolveError(f"{OPTION} {validate.clip(text)!r} has an empty entry; {_SYNTAX}")
+    if len(parts) > validate.MAX_LAYERS:
+        raise ResolveError(
+            f"{OPTION} has {len(parts)} entries, more than a model has layers "
+            f"({validate.MAX_LAYERS} at most); join ranges as START-END:DTYPE"
+        )
     ranges = tuple(_entry(p) for p in parts)
     for i, a in enumerate(ranges):
         for b in ranges[:i]:

@@ -36,7 +36,8 @@ def _umask() -> int:
     return mask
 
 
-def _describe(st: os.stat_result) -> str:
+def describe(st: os.stat_result) -> str:
+    """What a directory entry is, for a message: "a directory", "a FIFO", "a file", ..."""
     mode = st.st_mode
     if stat.S_ISLNK(mode):
         return "a symbolic link"
@@ -64,7 +65,7 @@ def check_output_file(path: Path, force: bool, option: str = "-o") -> Path:
     except OSError as e:
         raise TQExportError(f"{shown} cannot be checked ({e.strerror}); choose another") from None
     if st is not None:
-        kind = _describe(st)
+        kind = describe(st)
         if stat.S_ISDIR(st.st_mode):
             raise TQExportError(f"{shown} is a directory; give a file name")
         if not force:
@@ -168,6 +169,34 @@ def open_existing_nofollow(path: Path, flags: int = os.O_RDONLY) -> int:
     """A descriptor of the existing entry ``path`` without following a link (ELOOP if it is
     one) and without blocking on a FIFO."""
     return os.open(path, flags | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK)
+
+
+def read_regular_file(path: Path, option: str, max_bytes: int) -> bytes:
+    """The bytes of the regular file ``path`` that ``option`` names, at most ``max_bytes``:
+    anything else (missing, a device such as /dev/zero, a FIFO, a folder, larger) is one error
+    naming both. Opened without blocking and checked on the open descriptor, so a FIFO swapped
+    in after a check neither blocks nor is read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise TQExportError(f"{option} {path} not found") from None
+    except OSError as e:
+        raise TQExportError(f"cannot read {option} {path}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TQExportError(f"{option} {path} is {describe(st)}; give a regular file")
+        if st.st_size > max_bytes:
+            raise TQExportError(f"{option} {path} has {st.st_size} bytes, more than {max_bytes}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise TQExportError(f"cannot read {option} {path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:  # grew after the check
+        raise TQExportError(f"{option} {path} has more than {max_bytes} bytes")
+    return data
 
 
 @functools.cache

@@ -8,7 +8,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tqexport.errors import ResolveError
+from tqexport import validate
+from tqexport.errors import ResolveError, TQExportError
 
 
 @dataclass(frozen=True)
@@ -52,28 +53,42 @@ _CLASSES = {
 _SYNTAX = "use an index (5), a negative index (-1), a range (0-3), sw, full or boundary:N"
 
 
+def _number(text: str, pattern: str, minimum: int, maximum: int) -> int:
+    try:
+        return validate.parse_int(text, f"--skip-layers {validate.clip(pattern)}: N", minimum,
+                                  maximum)  # fmt: skip
+    except TQExportError as e:
+        raise ResolveError(str(e)) from None
+
+
 def parse_skip_pattern(text: str) -> SkipPattern:
     t = text.strip().lower()
+    n = validate.MAX_LAYERS
     if re.fullmatch(r"-?\d+", t):
-        return SkipPattern(text, "index", start=int(t))
+        return SkipPattern(text, "index", start=_number(t, text, -n, n - 1))
     if m := re.fullmatch(r"(\d+)-(\d+)", t):
-        a, b = int(m[1]), int(m[2])
+        a, b = _number(m[1], text, 0, n - 1), _number(m[2], text, 0, n - 1)
         if a > b:
             raise ResolveError(f"--skip-layers {text}: range start is after its end; write {b}-{a}")
         return SkipPattern(text, "range", start=a, stop=b)
     if t in _CLASSES:
         return SkipPattern(text, "class", attention=_CLASSES[t])
     if m := re.fullmatch(r"boundary:(\d+)", t):
-        if int(m[1]) == 0:
+        if m[1].strip("0") == "":
             raise ResolveError(f"--skip-layers {text}: N must be at least 1")
-        return SkipPattern(text, "boundary", start=int(m[1]))
-    raise ResolveError(f"--skip-layers: malformed pattern {text!r}; {_SYNTAX}")
+        return SkipPattern(text, "boundary", start=_number(m[1], text, 1, n))
+    raise ResolveError(f"--skip-layers: malformed pattern {validate.clip(text)!r}; {_SYNTAX}")
 
 
 def parse_skip_patterns(values: Sequence[str]) -> list[SkipPattern]:
     """Split repeated and comma-separated ``--skip-layers`` values into patterns."""
     out = []
     for value in values:
+        if len(out) + value.count(",") >= validate.MAX_LAYERS:
+            raise ResolveError(
+                f"--skip-layers has more than {validate.MAX_LAYERS} patterns (a model has at "
+                "most that many layers); use ranges such as 0-3"
+            )
         for part in value.split(","):
             if not part.strip():
                 raise ResolveError(f"--skip-layers: empty pattern in {value!r}; {_SYNTAX}")

@@ -17,6 +17,7 @@ import unicodedata
 from pathlib import Path
 
 from tqexport.errors import TQExportError
+from tqexport.safe_files import read_regular_file
 
 #: ``--seed`` of ``run`` and ``parity``: numpy's range; request i samples with seed + i.
 SEED_MAX = 2**32 - 1
@@ -36,6 +37,8 @@ MIN_TEMPERATURE = 1e-5
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.401298464324817e-45
 MAX_RECENT_WINDOW = 2**20
+#: attention layers of a model (the largest have ~130): every layer index given is below it
+MAX_LAYERS = 1024
 #: sink tokens kept in the model dtype per sequence (a few are what attention leans on)
 MAX_SINK_TOKENS = 2**10
 
@@ -82,6 +85,21 @@ def number(value, name: str, minimum: float | None = None, maximum: float | None
     return x
 
 
+def clip(text: str, limit: int = 40) -> str:
+    """``text`` cut to ``limit`` characters (``...`` marks a cut) for a one-line message."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def parse_int(text: str, name: str, minimum: int, maximum: int) -> int:
+    """The decimal integer ``text`` (digits, an optional ``-``) within [minimum, maximum],
+    refused by its length before it is converted: Python refuses to convert more than 4300
+    digits, and a number that long in a message is no help."""
+    digits = len(text.lstrip("-"))
+    if digits > len(str(max(abs(minimum), abs(maximum)))):
+        raise TQExportError(f"{name} must be from {minimum} to {maximum}, got {digits} digits")
+    return integer(int(text), name, minimum, maximum)
+
+
 def choice(value: str, name: str, options) -> str:
     if value not in options:
         raise TQExportError(f"{name} must be one of {', '.join(options)}, got {value!r}")
@@ -108,6 +126,17 @@ def block_size(value, name: str = "--block-size") -> int:
             f"got {n}"
         )
     return n
+
+
+def max_threads() -> int:
+    """The most threads a session may ask for: 4 per core of this machine (more only add
+    memory and switching; 100000 threads exhausted memory before any work)."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def threads(value, name: str = "--threads") -> int:
+    """ONNX Runtime's intra-op threads: from 1 to :func:`max_threads`."""
+    return integer(value, name, 1, max_threads())
 
 
 def recent_window(value, name: str = "--kv-recent-window") -> int:
@@ -260,15 +289,7 @@ def text_file(path: Path, option: str) -> str:
     """The text of the UTF-8 file ``option`` names, or one error naming both: missing, not a
     regular file, larger than :data:`MAX_TEXT_FILE_BYTES`, not UTF-8, or blank."""
     regular_file(path, option, "a text file", "give a UTF-8 text file")
-    try:
-        size = path.stat().st_size
-        if size > MAX_TEXT_FILE_BYTES:
-            raise TQExportError(
-                f"{option} {path} has {size} bytes, more than {MAX_TEXT_FILE_BYTES}"
-            )
-        data = path.read_bytes()
-    except OSError as e:
-        raise TQExportError(f"cannot read {option} {path}: {e.strerror or e}") from None
+    data = read_regular_file(path, option, MAX_TEXT_FILE_BYTES)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

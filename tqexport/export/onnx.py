@@ -23,13 +23,17 @@ from tqexport.spec import DEFAULT_OPSET, ModelSpec, block_tables_name, slot_mapp
 
 
 def _example(spec: ModelSpec):
-    """Step inputs whose dynamic sizes are all distinct and >= 2 (0/1 would specialize)."""
-    tables = [[1, 2, 3] for _ in spec.groups]
-    other = [[4, 5, 0] for _ in spec.groups]
+    """Step inputs whose dynamic sizes are all distinct and >= 2 (0/1 would specialize). With
+    blocks of one token the 4-token sequence needs 4 blocks: tables of 5, 11 blocks."""
+    one = spec.block_size == 1
+    row, row2 = ([1, 2, 3, 4, 5], [6, 7, 8, 0, 0]) if one else ([1, 2, 3], [4, 5, 0])
+    tables = [list(row) for _ in spec.groups]
+    other = [list(row2) for _ in spec.groups]
     chunks = [SeqChunk([1, 2, 3, 4], 0, tables, "all"), SeqChunk([5, 6, 7], 0, other, "none")]
     step = build_step(spec, chunks)
     # bounded groups' block counts differ from the others' so export keeps both dims apart
-    caches = allocate_caches(spec, [6 if g.bounded else 7 for g in spec.groups])
+    blocks = (10, 11) if one else (6, 7)
+    caches = allocate_caches(spec, [blocks[0] if g.bounded else blocks[1] for g in spec.groups])
     return step, caches
 
 

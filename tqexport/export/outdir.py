@@ -43,8 +43,9 @@ def check_target(out_dir: Path, force: bool) -> Path:
     if target.parent == target:
         raise TQExportError(f"-o {out_dir} is a filesystem root; name a directory to create")
     cwd = Path.cwd().resolve()
-    if target.exists() or target.is_symlink():
-        if not target.is_dir() or target.is_symlink():
+    st = _lstat(target, out_dir)
+    if st is not None:
+        if not stat.S_ISDIR(st.st_mode):
             raise TQExportError(f"{out_dir} exists and is not a directory; choose another -o")
         if not force:
             raise TQExportError(f"{out_dir} already exists; pass --force to replace it")
@@ -53,12 +54,26 @@ def check_target(out_dir: Path, force: bool) -> Path:
                 f"-o {out_dir} is the current directory or contains it; build elsewhere"
             )
         check_replaceable(target, out_dir)
-    ancestor = next((p for p in target.parents if p.exists()), None)
+    ancestor = next((p for p in target.parents if _lstat(p, out_dir) is not None), None)
     if ancestor is not None and not ancestor.is_dir():
         raise TQExportError(f"{ancestor} is not a directory, so {out_dir} cannot be created")
     if ancestor is not None and not os.access(ancestor, os.W_OK | os.X_OK):
         raise TQExportError(f"{ancestor} is not writable; choose another -o")
     return target
+
+
+def _lstat(path: Path, out_dir: Path) -> os.stat_result | None:
+    """``path``'s own entry (a link not followed), None where there is none; one line where a
+    folder on the way cannot be searched (PermissionError otherwise)."""
+    try:
+        return path.lstat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise TQExportError(
+            f"{path} cannot be looked at ({e.strerror}), so -o {out_dir} cannot be checked; "
+            "choose another -o"
+        ) from None
 
 
 def check_replaceable(target: Path, shown: Path | str) -> None:

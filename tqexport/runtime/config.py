@@ -43,7 +43,7 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             validate.parse_memory(self.kv_cache_memory)
         if self.threads is not None:
-            validate.integer(self.threads, "--threads", 1)
+            validate.threads(self.threads)
             if self.backend != "ort":
                 raise TQExportError(
                     f"--threads sets ONNX Runtime's threads and has no effect with --backend "

@@ -55,7 +55,7 @@ class Executor:
         self.spec = artifact.spec
         validate.choice(backend, "backend", ("ort", "torch", "trt"))
         if threads is not None:
-            validate.integer(threads, "threads", 1)
+            validate.threads(threads, "threads")
         if max_model_len is not None:
             validate.integer(max_model_len, "max_model_len", 1)
         self.max_model_len = max_model_len

@@ -327,18 +327,23 @@ def render_chat_template(
     compiled = env.from_string(template)
     code_file = "<template>"
 
+    finished = False
+
     def local(frame, event, arg):
+        if finished:  # the generator's frames closing later: the limit no longer applies
+            return None
         limits.tick()
         return local
 
     def tracer(frame, event, arg):
-        return local if frame.f_code.co_filename == code_file else None
+        return local if frame.f_code.co_filename == code_file and not finished else None
 
     previous = sys.gettrace()
     sys.settrace(tracer)
+    pieces = compiled.generate(**variables)
     try:
         out, size = [], 0
-        for piece in compiled.generate(**variables):
+        for piece in pieces:
             size += len(piece)
             if size > max_chars:
                 raise TemplateLimit(f"renders more than {max_chars} characters")
@@ -346,7 +351,12 @@ def render_chat_template(
             out.append(piece)
         return "".join(out)
     finally:
+        # closed here, untimed: closed later (by the garbage collector, maybe while another
+        # render traces that thread), its frames would raise TemplateLimit where nothing
+        # catches it ("Exception ignored in: <generator ...>" on stderr)
+        finished = True
         sys.settrace(previous)
+        pieces.close()
 
 
 def _chat_template(tokenizer) -> str | None:

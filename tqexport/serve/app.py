@@ -47,6 +47,15 @@ REPLICA_HEADER = "x-tqexport-replica"
 _GONE = object()  # the client disconnected
 
 
+def _chars(prompt) -> int:
+    """How much text preparing ``prompt`` reads: its characters (a chat's: every message's)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if prompt and isinstance(prompt[0], dict):
+        return sum(len(m["content"]) + len(str(m["role"])) for m in prompt)
+    return len(prompt)  # token ids
+
+
 def create_app(
     engine: Engine,
     served_model_name: str,
@@ -144,7 +153,8 @@ def create_app(
         params = req.sampling(requested or 1)
         try:
             ids = await loop.prepare(
-                lambda: engine.prompt_ids(prompt, chat_template=None if chat else False)
+                lambda: engine.prompt_ids(prompt, chat_template=None if chat else False),
+                _chars(prompt),
             )
         except TQExportError as e:
             raise APIError(400, str(e)) from None

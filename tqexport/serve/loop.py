@@ -26,6 +26,9 @@ log = logging.getLogger("tqexport.serve")
 Build = Callable[[Engine], tuple[str, list[int]]]
 #: worker threads that tokenize prompts and render chat templates
 PREPARE_WORKERS = 4
+#: prompts of more characters than this are prepared by their own worker (one), so a few
+#: megabyte-sized prompts never delay the short ones behind them
+LARGE_PROMPT_CHARS = 64 * 1024
 
 
 class EngineFailed(Exception):
@@ -40,6 +43,7 @@ class EngineLoop:
         self._sinks: dict[str, Callable[[RequestOutput | Exception], None]] = {}
         self._thread = threading.Thread(target=self._run, name="tqexport-engine", daemon=True)
         self._workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="tqexport-prepare")
+        self._large = ThreadPoolExecutor(1, thread_name_prefix="tqexport-prepare-large")
 
     def start(self) -> None:
         self._thread.start()
@@ -50,10 +54,14 @@ class EngineLoop:
             self._commands.put(("stop",))
             self._thread.join(timeout)
         self._workers.shutdown(wait=False, cancel_futures=True)
+        self._large.shutdown(wait=False, cancel_futures=True)
 
-    async def prepare(self, work: Callable[[], list[int]]) -> list[int]:
-        """Run ``work`` (tokenizing, a chat template) on a worker thread, never the engine's."""
-        return await asyncio.get_running_loop().run_in_executor(self._workers, work)
+    async def prepare(self, work: Callable[[], list[int]], chars: int = 0) -> list[int]:
+        """Run ``work`` (tokenizing, a chat template) on a worker thread, never the engine's;
+        work on more than :data:`LARGE_PROMPT_CHARS` characters queues on the large prompts'
+        own worker, never before a short prompt."""
+        workers = self._large if chars > LARGE_PROMPT_CHARS else self._workers
+        return await asyncio.get_running_loop().run_in_executor(workers, work)
 
     async def submit(self, build: Build) -> tuple[str, list[int], asyncio.Queue]:
         """Admit a request on the engine thread; returns its id, prompt ids and output queue.

@@ -255,6 +255,11 @@ class CompletionRequest(_Sampling):
         return DEFAULT_COMPLETION_TOKENS if self.max_tokens is None else self.max_tokens
 
 
+#: the most messages of one chat request: each is rendered by the chat template and tokenized,
+#: and a conversation longer than any context would only keep a worker busy
+MAX_MESSAGES = 4096
+
+
 class ChatCompletionRequest(_Sampling):
     messages: Messages = None
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -284,6 +289,14 @@ class ChatCompletionRequest(_Sampling):
         msgs = self.messages
         if not isinstance(msgs, list) or not msgs:
             raise APIError(400, "messages must be a non-empty list", param="messages")
+        if len(msgs) > MAX_MESSAGES:
+            raise APIError(
+                400,
+                f"messages has {len(msgs)} items, more than {MAX_MESSAGES}; send a shorter "
+                "conversation",
+                param="messages",
+                code="too_many_messages",
+            )
         out = []
         for i, m in enumerate(msgs):
             where = f"messages[{i}]"

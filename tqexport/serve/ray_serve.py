@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from tqexport.runtime.config import EngineConfig
 
 #: the Ray Serve application (and deployment) name
 APP_NAME = "tqexport"
+#: seconds ``--ray-address`` has to accept a connection (``ray.init`` itself retries forever)
+JOIN_TIMEOUT = 10.0
 log = logging.getLogger("tqexport.serve")
 
 
@@ -73,6 +76,24 @@ def application(
     return deployment.bind()
 
 
+def check_reachable(address: str) -> None:
+    """A ``HOST:PORT`` (or ``ray://HOST:PORT``) cluster address must accept a TCP connection
+    within :data:`JOIN_TIMEOUT` seconds, else one line; other forms (``auto``) are Ray's."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        return
+    host = host.removeprefix("[").removesuffix("]")
+    try:
+        socket.create_connection((host, int(port)), timeout=JOIN_TIMEOUT).close()
+    except OSError as e:
+        timed_out = isinstance(e, TimeoutError)
+        why = f"no answer within {JOIN_TIMEOUT:g} s" if timed_out else (e.strerror or str(e))
+        raise TQExportError(
+            f"cannot join the Ray cluster at {address}: {why}; start one there (`ray start "
+            "--head`) or give its address"
+        ) from None
+
+
 def _free_port(host: str) -> int:
     from tqexport.serve.runner import listen
 
@@ -103,6 +124,9 @@ def serve_on_ray(
     ``grace_seconds``)."""
     ray, serve = _ray()
     from ray.serve.config import HTTPOptions
+
+    if address is not None:
+        check_reachable(address)
 
     if port == 0:
         port = _free_port(host)

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 from tqexport.errors import TQExportError
 from tqexport.kvquant.codecs import MODEL_DTYPES
+from tqexport.validate import MAX_LAYERS
 
 SCHEMA_VERSION = 1
 
 # Bounds on every size a spec may hold: generous for any real model, small enough that nothing
 # derived from a spec (codec tables, graph I/O lists, messages) can take unbounded time or memory.
-# MAX_HEAD_SIZE lives with the codecs (every codec checks it), MAX_BLOCK_SIZE and
+# MAX_HEAD_SIZE lives with the codecs (every codec checks it), MAX_BLOCK_SIZE, MAX_LAYERS and
 # MAX_RECENT_WINDOW with the argument checks of the command line (the same rules at build time).
 #: bytes of a tqexport.json (a 1024-layer spec with a recent window is about 3 MiB)
 MAX_SPEC_BYTES = 16 * 1024 * 1024
-#: attention layers (the largest models have ~130)
-MAX_LAYERS = 1024
 #: query heads and kv heads of a layer (the largest models have 128 query heads)
 MAX_HEADS = 1024
 MAX_KV_HEADS = 1024

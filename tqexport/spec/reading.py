@@ -19,22 +19,33 @@ from tqexport.spec.limits import (
 
 
 def parse_spec_json(text: str | bytes) -> Any:
-    """Parse a spec file's bytes (or text) as strict JSON: UTF-8, at most
-    :data:`MAX_SPEC_BYTES`, no NaN/Infinity, no integer longer than :data:`MAX_INT_DIGITS`
-    digits, no duplicate keys, no nesting deeper than Python's recursion limit. Any other input
-    raises :class:`SpecError` with one line."""
-    if len(text) > MAX_SPEC_BYTES:
-        raise SpecError(f"spec is larger than {MAX_SPEC_BYTES >> 20} MiB{REBUILD}")
+    """Parse a spec file's bytes (or text) as strict JSON (:func:`strict_json`, at most
+    :data:`MAX_SPEC_BYTES`); any other input raises :class:`SpecError` with one line."""
+    return strict_json(text, "spec", REBUILD, MAX_SPEC_BYTES, SpecError)
+
+
+class _Refused(Exception):
+    """What a JSON hook refuses, as the end of a sentence about the file."""
+
+
+def strict_json(text: str | bytes, what: str, fix: str, max_bytes: int,
+                error: type[Exception] = SpecError) -> Any:  # fmt: skip
+    """Parse ``text`` (bytes or text) as strict JSON: UTF-8, at most ``max_bytes``, no
+    NaN/Infinity, no float out of range, no integer longer than :data:`MAX_INT_DIGITS` digits,
+    no duplicate keys, no nesting deeper than Python's recursion limit. Anything else raises
+    ``error`` with one line: ``what`` (the file), the problem, then ``fix``."""
+    if len(text) > max_bytes:
+        raise error(f"{what} is larger than {_size(max_bytes)}{fix}")
     if isinstance(text, bytes | bytearray):
         try:
             text = bytes(text).decode("utf-8")
         except UnicodeDecodeError as e:
-            raise SpecError(
-                f"spec is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
-                f"{REBUILD}"
+            raise error(
+                f"{what} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+                f"{fix}"
             ) from None
     elif not isinstance(text, str):
-        raise SpecError(f"spec must be JSON text, got {type(text).__name__}")
+        raise error(f"{what} must be JSON text, got {type(text).__name__}")
     try:
         return json.loads(
             text,
@@ -44,27 +55,31 @@ def parse_spec_json(text: str | bytes) -> Any:
             object_pairs_hook=_json_object,
         )
     except json.JSONDecodeError as e:
-        raise SpecError(f"spec is not valid JSON ({e}){REBUILD}") from None
+        raise error(f"{what} is not valid JSON ({e}){fix}") from None
     except RecursionError:
-        raise SpecError(f"spec is not valid JSON (nested too deeply){REBUILD}") from None
+        raise error(f"{what} is not valid JSON (nested too deeply){fix}") from None
+    except _Refused as e:
+        raise error(f"{what} {e}{fix}") from None
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and not n % (1 << 20) else f"{n} bytes"
 
 
 def _json_constant(name: str):
-    raise SpecError(f"spec is not valid JSON ({name} is not a JSON number){REBUILD}")
+    raise _Refused(f"is not valid JSON ({name} is not a JSON number)")
 
 
 def _json_float(text: str) -> float:
     x = float(text)
     if not math.isfinite(x):
-        raise SpecError(f"spec is not valid JSON (number {text[:40]} is out of range){REBUILD}")
+        raise _Refused(f"is not valid JSON (number {text[:40]} is out of range)")
     return x
 
 
 def _json_int(text: str) -> int:
     if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise SpecError(
-            f"spec has an integer of {len(text)} digits (at most {MAX_INT_DIGITS}){REBUILD}"
-        )
+        raise _Refused(f"has an integer of {len(text)} digits (at most {MAX_INT_DIGITS})")
     return int(text)
 
 
@@ -73,7 +88,7 @@ def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if len(d) != len(pairs):
         seen = set()
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise SpecError(f"spec has the key {dup[:40]!r} twice in one object{REBUILD}")
+        raise _Refused(f"has the key {dup[:40]!r} twice in one object")
     return d
 
 

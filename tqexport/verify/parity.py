@@ -23,6 +23,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from tqexport import validate
 from tqexport.contract.artifact import Artifact
 from tqexport.contract.caches import allocate_caches, cache_output_name
 from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
@@ -36,6 +37,7 @@ from tqexport.runtime.backends.ort import (
     QUIET_SEVERITY,
     apply_weights,
     check_ops,
+    open_session,
     providers,
 )
 from tqexport.runtime.backends.torch import load_source_model
@@ -125,7 +127,8 @@ class _TapSession:
             opts.intra_op_num_threads = threads
         if self.kernels.library is not None:
             opts.register_custom_ops_library(str(self.kernels.library))
-        self.session = ort.InferenceSession(model.SerializeToString(), opts, providers=providers())
+        self.session = open_session(model.SerializeToString(), opts, providers(),
+                                    artifact.model_file)  # fmt: skip
         self.input_names = [i.name for i in self.session.get_inputs()]
 
     def run(self, step, caches):
@@ -229,6 +232,8 @@ def run_parity(
     """Prefill + ``steps`` decode steps; see the module docstring for what is compared.
     ``threads``: ORT intra-op threads (None = ORT's default), which sets its summation order;
     ``kernels``: what runs the tqexport nodes on ORT (``--kernels``)."""
+    if threads is not None:
+        validate.threads(threads, "threads")
     spec = artifact.spec
     if prompt_len < 1 or batch < 1 or steps < 0:
         raise TQExportError("--prompt-len and --batch must be >= 1, --steps >= 0")

@@ -11,6 +11,7 @@ copies every step (the reference the in-place path is tested against).
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -23,6 +24,7 @@ from tqexport.contract.caches import allocate_caches, cache_output_name
 from tqexport.errors import TQExportError
 from tqexport.native.library import KernelChoice
 from tqexport.native.library import choose as choose_kernels
+from tqexport.ops.attributes import DOMAIN
 
 #: Session settings, chosen by measurement (README "Benchmarks", ``benchmarks/ort_options.py``):
 #: every graph optimization (the common-subexpression pass that computes the layers' shared
@@ -93,6 +95,59 @@ def ort_failure(e: Exception) -> str:
     text = " ".join(str(e).split())
     text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
     return text.removeprefix("Error in execution: ")
+
+
+#: how ONNX Runtime words a kernel's refusal at session start (the native kernels check their
+#: attributes there) and how the kernels name the node: "tqexport OP (layer N): why"
+_INIT_REFUSAL = "Exception during initialization:"
+_KERNEL_NODE = re.compile(r"tqexport (\w+) \(layer (\d+)\): ")
+
+
+def open_session(model, opts, session_providers, model_file) -> ort.InferenceSession:
+    """An ORT session over ``model`` (a path, or the graph's bytes read from ``model_file``).
+    ORT refusing the graph, or a kernel refusing a node's attributes at start-up (a graph
+    changed after its build), becomes one line naming the layer and attribute."""
+    opts.log_severity_level = QUIET_SEVERITY  # ORT's own line of the refusal: ours says it
+    try:
+        return ort.InferenceSession(model, opts, providers=session_providers)
+    except Exception as e:  # onnxruntime's own types (Fail, InvalidGraph, RuntimeException)
+        if not type(e).__module__.startswith("onnxruntime"):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0]
+        if _INIT_REFUSAL in first:
+            why = first.split(_INIT_REFUSAL, 1)[1].strip()
+            raise TQExportError(
+                f"ONNX Runtime refused {model_file} at start-up: {_refusal(why, model_file)}; "
+                "the graph was changed after its build, rebuild the artifact"
+            ) from None
+        if " failed:" not in first:
+            raise  # not the graph: a provider or the machine
+        raise TQExportError(
+            f"ONNX Runtime cannot load {model_file}: "
+            f"{first.split(' failed:', 1)[1].strip()}; rebuild the artifact"
+        ) from None
+
+
+def _refusal(why: str, model_file) -> str:
+    """A kernel's refusal, its node named by layer and op and the attributes out of range (a
+    negative integer, a float not finite) shown with their values."""
+    m = _KERNEL_NODE.search(why)
+    if m is None:
+        return why
+    op, layer = m[1], int(m[2])
+    model = onnx.load(str(model_file), load_external_data=False)
+    values = []
+    for node in model.graph.node:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.domain != DOMAIN or node.op_type != op or attrs.get("layer") != layer:
+            continue
+        values += [
+            f"{name}={v:g}" if isinstance(v, float) else f"{name}={v}"
+            for name, v in attrs.items()
+            if (isinstance(v, int) and v < 0) or (isinstance(v, float) and not math.isfinite(v))
+        ]
+    shown = f" (it has {', '.join(sorted(set(values)))})" if values else ""
+    return f"layer {layer}'s {op} node: {why[m.end() :]}{shown}"
 
 
 def providers() -> list[str]:
@@ -203,18 +258,8 @@ class OrtBackend:
             self.kernel_choice = KernelChoice("bodies", None, "function bodies (CUDA provider)")
         if self.kernel_choice.library is not None:
             opts.register_custom_ops_library(str(self.kernel_choice.library))
-        try:
-            self.session = ort.InferenceSession(
-                str(artifact.model_file), opts, providers=session_providers
-            )
-        except Exception as e:  # onnxruntime's own types (Fail, InvalidGraph, ...)
-            first = (str(e).strip().splitlines() or [""])[0]
-            if not type(e).__module__.startswith("onnxruntime") or " failed:" not in first:
-                raise  # not the graph: a provider or the machine
-            raise TQExportError(
-                f"ONNX Runtime cannot load {artifact.model_file}: "
-                f"{first.split(' failed:', 1)[1].strip()}; rebuild the artifact"
-            ) from None
+        self.session = open_session(str(artifact.model_file), opts, session_providers,
+                                    artifact.model_file)  # fmt: skip
         self.input_names = [i.name for i in self.session.get_inputs()]
         host = {n: t.numpy() for n, t in allocate_caches(self.spec, num_blocks).items()}
         #: cache input name -> its buffer as an OrtValue on ``device`` (CPU: wraps ``caches``)
