@@ -144,6 +144,9 @@ EngineOptions = (
     Annotated[str, typer.Option(help="ort | torch | trt (needs `tqexport engine`)")],
     Annotated[int, typer.Option(help="Token budget per step.")],
     Annotated[int, typer.Option(help="Sequences per step.")],
-    Annotated[int | None, typer.Option(help="ONNX Runtime intra-op threads (default: its own).")],
+    Annotated[
+        int | None,
+        typer.Option(help="ONNX Runtime intra-op threads, 1 to 4 per core (default: its own)."),
+    ],
     Annotated[bool, typer.Option(help="Apply the model's chat template.")],
 )
