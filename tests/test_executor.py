@@ -353,7 +353,7 @@ def test_parse_memory_refuses_malformed_and_zero():
         (dict(num_blocks=1), "--num-blocks must be from 2"),
         (dict(num_blocks=None, kv_cache_memory="0"), "must be a positive size"),
         (dict(backend="cuda"), "backend must be one of ort, torch, trt"),
-        (dict(threads=0), "threads must be >= 1"),
+        (dict(threads=0), r"threads must be from 1 to \d+, got 0"),
         (dict(max_model_len=0), "max_model_len must be >= 1"),
     ],
 )

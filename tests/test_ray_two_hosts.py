@@ -212,7 +212,9 @@ def test_a_lost_host_fails_only_its_replicas_requests_and_its_replica_returns_wi
     def replica_states() -> dict:
         out = hosts.run(hosts.head, [sys.executable, CLIENT, "status", address, "tqexport"], env,
                         timeout=120)  # fmt: skip
-        return json.loads(out) if out.strip() else {}
+        # the client's one JSON line; Ray's own log lines (a raylet's warning) may follow it
+        line = next((x for x in out.splitlines() if x.startswith("{")), "")
+        return json.loads(line) if line else {}
 
     def until(what: str, check, deadline: float):
         while True:
