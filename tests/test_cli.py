@@ -602,6 +602,23 @@ def test_raw_pickle_checkpoint_is_one_line_without_torchs_warning(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["raw"]
 
 
+def test_a_checkpoint_without_the_models_weights_is_refused_not_filled_at_random(tmp_path):
+    """torch.save of weights under other names: transformers would fill the model at random."""
+    import torch
+
+    from tqexport.models import builtins
+
+    src = tmp_path / "other"
+    src.mkdir()
+    builtins.tiny_config("tiny-llama").save_pretrained(src)
+    torch.save({"encoder.weight": torch.zeros(2, 2)}, src / "pytorch_model.bin")
+    r = run("build", str(src), "-o", str(tmp_path / "out"))
+    assert r.returncode == 2
+    line = one_error_line(r.stderr, f"{src} holds no weight for lm_head.weight, ")
+    assert line.endswith("give the model's own weights")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other"]
+
+
 # --- `run` with a tokenizer: tiny artifacts have none, so a byte-level one is written in ---
 
 

@@ -129,7 +129,17 @@ def source_path(name: str) -> Path:
 def _load_dir(path: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    with _quiet_transformers():
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, output_loading_info=True
+        )
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:  # transformers fills them with random values and carries on
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise TQExportError(
+            f"{path} holds no weight for {', '.join(missing[:3])}{more}: its checkpoint is not "
+            "one of the model its config.json describes; give the model's own weights"
+        )
     tok = None
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         tok = AutoTokenizer.from_pretrained(path)
@@ -138,6 +148,23 @@ def _load_dir(path: Path, dtype: torch.dtype):
     except OSError:
         gen = getattr(model, "generation_config", None)
     return model, tok, gen
+
+
+@contextmanager
+def _quiet_transformers():
+    """transformers' load report and progress bar off in the block: what is missing is our
+    error line, what is unexpected is harmless (and the bars would precede every message)."""
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _first_line(e: BaseException) -> str:
