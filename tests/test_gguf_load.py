@@ -86,3 +86,26 @@ def test_gguf_conversion_parses_the_file_once_with_its_tensors(tmp_path, monkeyp
     assert ids == [TOKENS.index("h"), TOKENS.index("i")]
     load_model(str(path), "float32")  # the converted copy: no parse at all
     assert parses == {str(path): 2}
+
+
+def test_gguf_tokens_before_conversion_match_the_converted_copy(tmp_path, monkeypatch):
+    """A build that never converts the GGUF (stored weight blocks) reads its tokenizer and
+    generation config from the file: the same generation config the converted copy keeps (the
+    file holds no generation_config.json: transformers' defaults from the model's config)."""
+    from tqexport.models.cache import gguf_cache
+    from tqexport.models.config import load_config
+    from tqexport.models.loader import load_tokenizer
+
+    monkeypatch.setenv("TQEXPORT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path)
+    config, _ = load_config(str(path))
+    tok, gen = load_tokenizer(str(path), config)
+    assert not (gguf_cache(path) / "model.safetensors").exists()  # nothing converted
+    assert (gen.bos_token_id, gen.eos_token_id) == (0, 1)
+    lm = load_model(str(path), "float32")
+    assert gen.to_dict() == lm.generation_config.to_dict()
+    ids = tok("hi", add_special_tokens=False)["input_ids"]
+    assert ids == [TOKENS.index("h"), TOKENS.index("i")]
+    tok2, gen2 = load_tokenizer(str(path), config)  # now from the converted copy
+    assert gen2.to_dict() == gen.to_dict() and tok2.get_vocab() == tok.get_vocab()

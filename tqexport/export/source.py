@@ -66,7 +66,7 @@ class BuildSource:
         if "lm" in self.__dict__:
             return self.lm.tokenizer, self.lm.generation_config
         if self.gguf:
-            return load_tokenizer(self.name)
+            return load_tokenizer(self.name, self.config)
         return self.lm.tokenizer, self.lm.generation_config
 
     @cached_property

@@ -60,7 +60,7 @@ def _load_gguf(path: Path, config, dtype: torch.dtype):
     """transformers' GGUF loader dequantizes every load; keep a safetensors copy instead. The
     file is parsed once: CONFIG is its metadata already mapped (kept by load_config)."""
     from safetensors.torch import save_model as save_safetensors
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     target = gguf_cache(path)
     if not (target / "config.json").is_file():
@@ -68,7 +68,7 @@ def _load_gguf(path: Path, config, dtype: torch.dtype):
             model = AutoModelForCausalLM.from_pretrained(
                 path.parent, gguf_file=path.name, config=config
             )
-            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            tok, gen = _read_tokens(path.parent, config, gguf_file=path.name)
         tmp = make_temp_dir(target)
         # The weights are dequantized already; drop the GGUF quantizer so they save as-is.
         if hasattr(model.config, "quantization_config"):
@@ -76,10 +76,7 @@ def _load_gguf(path: Path, config, dtype: torch.dtype):
         model.config.save_pretrained(tmp)
         save_safetensors(model, str(tmp / "model.safetensors"))
         tok.save_pretrained(tmp)
-        try:
-            GenerationConfig.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
-        except (OSError, ValueError):
-            model.generation_config.save_pretrained(tmp)
+        gen.save_pretrained(tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process converted it meanwhile (or a link is in the way)
@@ -89,35 +86,34 @@ def _load_gguf(path: Path, config, dtype: torch.dtype):
     return _load_dir(target, dtype)
 
 
-def load_tokenizer(name: str):
+def load_tokenizer(name: str, config) -> tuple:
     """MODEL's (tokenizer, generation config) without its weights: from the converted copy of
-    a GGUF when there is one, else parsed from the file; an HF directory's own files."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    path = builtins.builtin_gguf(name) if name in builtins.GGUF_BUILTINS else Path(name)
+    a GGUF when there is one, else parsed from the file; an HF directory's own files. CONFIG is
+    MODEL's config (the generation defaults when it has no generation_config.json)."""
+    path = source_path(name)
     if path.suffix != ".gguf":
-        root = path if path.is_dir() else path.parent
-        tok = None
-        if any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-            tok = AutoTokenizer.from_pretrained(root)
-        try:
-            gen = GenerationConfig.from_pretrained(root)
-        except OSError:
-            gen = None
-        return tok, gen
+        return _read_tokens(path if path.is_dir() else path.parent, config)
     converted = gguf_cache(path)
     if (converted / "tokenizer_config.json").is_file():
-        tok = AutoTokenizer.from_pretrained(converted)
-        try:
-            return tok, GenerationConfig.from_pretrained(converted)
-        except OSError:
-            return tok, None
+        return _read_tokens(converted, config)
     with parsed_once(path):
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        try:
-            gen = GenerationConfig.from_pretrained(path.parent, gguf_file=path.name)
-        except (OSError, ValueError):
-            gen = None
+        return _read_tokens(path.parent, config, gguf_file=path.name)
+
+
+def _read_tokens(root: Path, config, gguf_file: str | None = None) -> tuple:
+    """(tokenizer or None, generation config) of directory ROOT, or of GGUF_FILE in it. Without
+    a generation_config.json the model's generation defaults come from CONFIG, as transformers
+    derives them for a loaded model: the artifact carries the same file either way."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    gguf = {"gguf_file": gguf_file} if gguf_file else {}
+    tok = None
+    if gguf_file or any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        tok = AutoTokenizer.from_pretrained(root, **gguf)
+    try:
+        gen = GenerationConfig.from_pretrained(root, **gguf)
+    except (OSError, ValueError):
+        gen = GenerationConfig.from_model_config(config)
     return tok, gen
 
 
@@ -127,7 +123,7 @@ def source_path(name: str) -> Path:
 
 
 def _load_dir(path: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     with _quiet_transformers():
         model, info = AutoModelForCausalLM.from_pretrained(
@@ -140,13 +136,7 @@ def _load_dir(path: Path, dtype: torch.dtype):
             f"{path} holds no weight for {', '.join(missing[:3])}{more}: its checkpoint is not "
             "one of the model its config.json describes; give the model's own weights"
         )
-    tok = None
-    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        tok = AutoTokenizer.from_pretrained(path)
-    try:
-        gen = GenerationConfig.from_pretrained(path)
-    except OSError:
-        gen = getattr(model, "generation_config", None)
+    tok, gen = _read_tokens(path, model.config)
     return model, tok, gen
 
 
