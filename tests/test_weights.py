@@ -369,3 +369,27 @@ def test_plan_predicts_the_block_bytes_inspect_reads_from_the_build(
     assert planned["fp32"] > 0  # norms and biases (an exporter shares equal ones: not exact)
     code, out, _ = main_inproc(capsys, "plan", target, "--weights", weights)
     assert f"weights (--weights {weights}): " in out
+
+
+def test_build_refuses_a_disk_short_of_the_planned_weights_and_writes_nothing(
+    tiny_gguf, tmp_path, monkeypatch
+):
+    """The free-space check asks for the plan's exact weight bytes (and 64 MiB for the rest):
+    one byte short is refused before the export, naming what it needs."""
+    import shutil
+
+    from tqexport.export import outdir
+    from tqexport.export.artifact import build_artifact
+    from tqexport.export.source import BuildSource
+    from tqexport.spec import BuildRequest
+
+    request = BuildRequest(weights="auto")
+    need = sum(BuildSource(str(tiny_gguf), request).planned_weight_bytes().values()) + (64 << 20)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(outdir.shutil, "disk_usage", lambda p: usage._replace(free=need - 1))
+    with pytest.raises(TQExportError, match=f"needs about {need / 2**20:.0f} MiB;"):
+        build_artifact(str(tiny_gguf), tmp_path / "a", request)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(outdir.shutil, "disk_usage", lambda p: usage._replace(free=need))
+    build_artifact(str(tiny_gguf), tmp_path / "a", request)
+    assert (tmp_path / "a" / "tqexport.json").is_file()

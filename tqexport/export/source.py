@@ -15,7 +15,7 @@ from tqexport.models.config import describe_config, load_config
 from tqexport.models.description import ModelDescription
 from tqexport.models.loader import LoadedModel, load_model, load_tokenizer, source_path
 from tqexport.spec import BuildRequest
-from tqexport.weights.export import ExportWeights, dense_bytes, from_gguf, from_model
+from tqexport.weights.export import ExportWeights, from_gguf, from_model
 from tqexport.weights.gguf_source import check_types
 from tqexport.weights.precision import FLOAT_PRECISION, gguf_type_refusal, stores_blocks
 
@@ -88,10 +88,8 @@ class BuildSource:
         return self.export.model if self.export is not None else self.lm.model
 
     def weight_bytes(self) -> int:
-        """About what the artifact's weights take (for the free-space check)."""
-        if self.export is not None:
-            return self.export.bytes_estimate + dense_bytes(self.export.model)
-        return dense_bytes(self.lm.model)
+        """What the artifact's weights take (the free-space check): the plan's exact bytes."""
+        return sum(self.planned_weight_bytes().values())
 
     def planned_weight_bytes(self) -> dict[str, int]:
         """What the artifact's weights would take by precision (``plan``), from the GGUF's

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from tqexport.errors import TQExportError
-from tqexport.weights.blocks import GGUF_DECODERS, quantize_rtn
+from tqexport.weights.blocks import quantize_rtn
 from tqexport.weights.graph import Stored
 from tqexport.weights.placeholders import swap_in
 from tqexport.weights.precision import EMBEDDING_BITS, gguf_type_refusal
@@ -29,8 +29,6 @@ class ExportWeights:
     stored: dict[str, Stored]
     #: one line per matrix kept in float although the source stores it quantized
     notes: list[str] = field(default_factory=list)
-    #: bytes the stored weights take in the artifact, about (for the free-space check)
-    bytes_estimate: int = 0
     #: matrices kept in float although the source stores them quantized: name -> its type
     floats: dict[str, str] = field(default_factory=dict)
 
@@ -71,11 +69,7 @@ def from_gguf(path: Path, config, dtype: torch.dtype, weights: str) -> ExportWei
     stored: dict[str, Stored] = {}
     for name, src in found.blocks.items():
         stored[name] = (lambda s=src: s.decode().widened(width)) if width else src.decode
-    estimate = sum(
-        s.rows * s.cols * (width or GGUF_DECODERS[s.type_name][2]) // 8 * 5 // 4
-        for s in found.blocks.values()
-    )
-    return ExportWeights(model, stored, found.notes, estimate, found.floats)
+    return ExportWeights(model, stored, found.notes, found.floats)
 
 
 def from_model(model: torch.nn.Module, weights: str, dtype: torch.dtype) -> ExportWeights:
@@ -87,7 +81,6 @@ def from_model(model: torch.nn.Module, weights: str, dtype: torch.dtype) -> Expo
     for name, p in model.named_parameters(remove_duplicate=False):
         owner.setdefault(id(p), name)
     stored: dict[str, Stored] = {}
-    estimate = 0
     for name, module in layers.items():
         source = owner.get(id(module.weight), name)
         if source in stored:
@@ -95,17 +88,10 @@ def from_model(model: torch.nn.Module, weights: str, dtype: torch.dtype) -> Expo
         w = module.weight
         if weights == "fp16":
             stored[source] = lambda w=w: w.detach().to(torch.float16).numpy()
-            estimate += w.numel() * 2
             continue
         bits = EMBEDDING_BITS if isinstance(module, torch.nn.Embedding) else int(weights[3:])
         if w.shape[1] % 32:
             continue  # stays float: not whole blocks
         stored[source] = lambda w=w, b=bits: quantize_rtn(w.detach().float().numpy(), b)
-        estimate += w.numel() * bits // 8 * 5 // 4
     swap_in(model, set(stored), dtype)
-    return ExportWeights(model, stored, [], estimate)
-
-
-def dense_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the float parameters the graph keeps as they are."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+    return ExportWeights(model, stored, [])
