@@ -105,13 +105,13 @@ def test_a_fifo_is_refused_without_blocking(art, name):
     os.mkfifo(art / name)
     with pytest.raises(TQExportError) as e:
         consume(art, name)
-    assert str(e.value) == f"{art / name} is a FIFO, not a regular file; {FIX}"
+    assert str(e.value) == f"{art / name} is a named pipe (FIFO), not a regular file; {FIX}"
 
 
 @pytest.mark.parametrize(
     "make,message",
     [
-        (lambda p: p.mkdir(), "is a directory, not a regular file"),
+        (lambda p: p.mkdir(), "is a folder, not a regular file"),
         (lambda p: p.symlink_to("gone.json"), "is a link to '{dir}/gone.json', which does not"),
         (lambda p: p.symlink_to(p.name), "is a link loop"),
         (lambda p: p.symlink_to(".."), "is a link to '{up}', outside the artifact"),

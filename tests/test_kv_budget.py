@@ -368,7 +368,8 @@ def test_a_table_that_is_not_a_regular_file_is_refused_without_reading(capsys, t
         os.mkfifo(path)
     code, out, err = main_inproc(capsys, "plan", "tiny-llama", "--kv-bits", "8",
                                  "--calibration", path)  # fmt: skip
-    what = {"device": "a device", "fifo": "a FIFO", "directory": "a directory"}[kind]
+    what = {"device": "a character device", "fifo": "a named pipe (FIFO)", "directory": "a folder"}
+    what = what[kind]
     assert (code, out) == (2, "")
     assert err == f"error: --calibration {path} is {what}; give a regular file\n"
 

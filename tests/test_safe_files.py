@@ -63,8 +63,8 @@ def test_write_file_gets_the_umask_mode(tmp_path):
     [
         (lambda p, v: p.write_text("x"), False, "already exists (a file); pass --force"),
         (lambda p, v: p.symlink_to(v), False, "already exists (a symbolic link); pass --force"),
-        (lambda p, v: p.mkdir(), True, "is a directory; give a file name"),
-        (lambda p, v: os.mkfifo(p), True, "is a FIFO; --force replaces only a file"),
+        (lambda p, v: p.mkdir(), True, "is a folder; give a file name"),
+        (lambda p, v: os.mkfifo(p), True, "is a named pipe (FIFO); --force replaces only a file"),
     ],
 )
 def test_check_output_file_refuses_what_it_must_not_replace(tmp_path, victim, make, force,

@@ -36,20 +36,21 @@ def _umask() -> int:
     return mask
 
 
-def describe(st: os.stat_result) -> str:
-    """What a directory entry is, for a message: "a directory", "a FIFO", "a file", ..."""
-    mode = st.st_mode
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "a file"
+#: what a directory entry is, by its stat mode, in every message that names one
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISREG, "a file"),
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def file_kind(mode: int) -> str:
+    """What an entry of stat mode MODE is, for a message: "a folder", "a named pipe (FIFO)"..."""
+    return next((name for test, name in _KINDS if test(mode)), "a special file")
 
 
 def check_output_file(path: Path, force: bool, option: str = "-o") -> Path:
@@ -65,9 +66,9 @@ def check_output_file(path: Path, force: bool, option: str = "-o") -> Path:
     except OSError as e:
         raise TQExportError(f"{shown} cannot be checked ({e.strerror}); choose another") from None
     if st is not None:
-        kind = describe(st)
+        kind = file_kind(st.st_mode)
         if stat.S_ISDIR(st.st_mode):
-            raise TQExportError(f"{shown} is a directory; give a file name")
+            raise TQExportError(f"{shown} is a folder; give a file name")
         if not force:
             raise TQExportError(f"{shown} already exists ({kind}); pass --force to replace it")
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
@@ -185,7 +186,7 @@ def read_regular_file(path: Path, option: str, max_bytes: int) -> bytes:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise TQExportError(f"{option} {path} is {describe(st)}; give a regular file")
+            raise TQExportError(f"{option} {path} is {file_kind(st.st_mode)}; give a regular file")
         if st.st_size > max_bytes:
             raise TQExportError(f"{option} {path} has {st.st_size} bytes, more than {max_bytes}")
         with os.fdopen(os.dup(fd), "rb") as f:

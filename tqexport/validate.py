@@ -11,13 +11,12 @@ import math
 import operator
 import os
 import re
-import stat
 import struct
 import unicodedata
 from pathlib import Path
 
 from tqexport.errors import TQExportError
-from tqexport.safe_files import read_regular_file
+from tqexport.safe_files import file_kind, read_regular_file
 
 #: ``--seed`` of ``run`` and ``parity``: numpy's range; request i samples with seed + i.
 SEED_MAX = 2**32 - 1
@@ -250,16 +249,6 @@ def printable(text: object, keep_newlines: bool = False) -> str:
     return "".join(out)
 
 
-_KINDS = (
-    (stat.S_ISDIR, "a folder"),
-    (stat.S_ISREG, "a file"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISFIFO, "a named pipe (FIFO)"),
-    (stat.S_ISSOCK, "a socket"),
-)
-
-
 def path_kind(path: Path) -> str | None:
     """What ``path`` is ("a folder", "a file", "a character device", ...; links followed),
     None when nothing is there: so a wrong kind of path is named, not called missing."""
@@ -267,7 +256,7 @@ def path_kind(path: Path) -> str | None:
         mode = os.stat(path).st_mode
     except (OSError, ValueError):  # ValueError: a NUL byte in the name
         return None
-    return next((name for test, name in _KINDS if test(mode)), "a special file")
+    return file_kind(mode)
 
 
 def regular_file(path: Path, option: str, noun: str = "a file", fix: str = "") -> Path:

@@ -12,6 +12,7 @@ from pathlib import Path
 import onnx
 
 from tqexport.errors import TQExportError
+from tqexport.safe_files import file_kind
 from tqexport.spec import ModelSpec
 
 MODEL_FILE = "model.onnx"
@@ -55,14 +56,6 @@ TOKENIZER_SET = (
     "tiktoken.model",
 )
 
-_NOT_FILES = {
-    stat.S_IFDIR: "a directory",
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFSOCK: "a socket",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-}
-
 
 def _confined(root: Path, name: str) -> tuple[Path, Path, os.stat_result] | None:
     """(``root / name``, its real path, its stat), None when there is no such entry; one
@@ -93,8 +86,7 @@ def _confined(root: Path, name: str) -> tuple[Path, Path, os.stat_result] | None
             f"{fix}"
         )
     if not stat.S_ISREG(st.st_mode):
-        kind = _NOT_FILES.get(stat.S_IFMT(st.st_mode), "a special file")
-        raise TQExportError(f"{path} is {kind}, not a regular file; {fix}")
+        raise TQExportError(f"{path} is {file_kind(st.st_mode)}, not a regular file; {fix}")
     return path, real, st
 
 
