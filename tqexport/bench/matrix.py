@@ -229,56 +229,73 @@ def is_artifact(target) -> bool:
     return Path(target).is_dir() and (Path(target) / SPEC_FILE).is_file()
 
 
-def plan_speed(target, dtypes, contexts, batches, steps, budget, workdir, recent="0",
-               kernels="auto", weights=DEFAULT_WEIGHTS) -> Callable[[Say], dict]:  # fmt: skip
-    """Every input of a speed run checked (dtypes, grid, budget, memory, kernel choices) before
-    anything is built or run; returns the run: ``run(say)`` builds or reuses the artifacts and
-    measures them. ``target`` is a model, whose artifacts are built or reused under
-    ``workdir`` with ``--weights weights``, or one artifact (compared with auto on its own
-    weights)."""
+def speed_artifacts(
+    target, dtypes, windows: list[int], weights, workdir: Path, check: Callable | None = None
+) -> tuple[dict, Callable[[Say], dict]]:
+    """(label -> spec, ``build(say)`` -> label -> artifact) of a speed run: ``target`` a model,
+    whose artifacts per dtype (quantized ones per recent window) are built or reused under
+    ``workdir`` with ``--weights weights``, or one artifact (beside auto on its own weights).
+    Every name is checked, and ``check(spec, label)`` run on each spec, before anything is
+    built."""
     from tqexport.bench import speed
     from tqexport.contract.artifact import open_artifact
     from tqexport.kvquant.modes import parse_kv_cache_dtype
+
+    check = check or (lambda spec, label: None)
+    if is_artifact(target):
+        art = open_artifact(target)
+        check(art.spec, str(target))
+        name = (art.spec.request or BuildRequest()).kv_cache_dtype
+
+        def build_one(say: Say) -> dict:
+            own = (art.spec.request or BuildRequest()).weights
+            auto = speed.artifact_for(art.spec.model["path"], "auto", workdir, weights=own)
+            return {"auto": auto, name: art}
+
+        return {name: art.spec}, build_one
+    from tqexport.models.config import describe_model
+    from tqexport.resolve import resolve
+
+    given = split(dtypes, "--kv-cache-dtype") or BENCH_SPEED_DTYPES
+    names = ["auto", *[n for n in given if n != "auto"]]
+    for n in names:  # every name and combination first: nothing is built for a typo
+        parse_kv_cache_dtype(n)
+    desc = describe_model(target)
+    plans, specs = {}, {}
+    for n in names:
+        for w in windows if parse_kv_cache_dtype(n).mode.is_quantized else [0]:
+            label = f"{n} recent {w}" if w else n
+            plans[label] = (n, w)
+            request = BuildRequest(n, recent_window=w, weights=weights)
+            specs[label] = resolve(desc, request).spec
+            check(specs[label], label)
+
+    def build(say: Say) -> dict:
+        arts = {}
+        for label, (n, w) in plans.items():
+            say(f"artifact {label}: building or reusing under {workdir}")
+            arts[label] = speed.artifact_for(target, n, workdir, w, weights)
+        return arts
+
+    return specs, build
+
+
+def plan_speed(target, dtypes, contexts, batches, steps, budget, workdir, recent="0",
+               kernels="auto", weights=DEFAULT_WEIGHTS) -> Callable[[Say], dict]:  # fmt: skip
+    """Every input of a speed run checked (dtypes, grid, budget, memory, kernel choices) before
+    anything is built or run; returns the run: ``run(say)`` builds or reuses the artifacts
+    (:func:`speed_artifacts`) and measures them."""
+    from tqexport.bench import speed
     from tqexport.validate import parse_memory
 
     ctx, bat, windows = speed_args(contexts, batches, steps, recent)
     parse_memory(budget, "--budget")
     asked = speed.parse_kernels(kernels)
-    if is_artifact(target):
-        art = open_artifact(target)
-        check_speed_memory(art.spec, str(target), ctx, bat, steps)
-        name = (art.spec.request or BuildRequest()).kv_cache_dtype
-        speed.run_kernels(asked, {name: art.spec})
-
-        def build(say: Say) -> dict:
-            own = (art.spec.request or BuildRequest()).weights
-            auto = speed.artifact_for(art.spec.model["path"], "auto", workdir, weights=own)
-            return {"auto": auto, name: art}
-    else:
-        from tqexport.models.config import describe_model
-        from tqexport.resolve import resolve
-
-        given = split(dtypes, "--kv-cache-dtype") or BENCH_SPEED_DTYPES
-        names = ["auto", *[n for n in given if n != "auto"]]
-        for n in names:  # every name and combination first: nothing is built for a typo
-            parse_kv_cache_dtype(n)
-        desc = describe_model(target)
-        plans, specs = {}, {}
-        for n in names:
-            for w in windows if parse_kv_cache_dtype(n).mode.is_quantized else [0]:
-                label = f"{n} recent {w}" if w else n
-                plans[label] = (n, w)
-                request = BuildRequest(n, recent_window=w, weights=weights)
-                specs[label] = resolve(desc, request).spec
-                check_speed_memory(specs[label], label, ctx, bat, steps)
-        speed.run_kernels(asked, specs)
-
-        def build(say: Say) -> dict:
-            arts = {}
-            for label, (n, w) in plans.items():
-                say(f"artifact {label}: building or reusing under {workdir}")
-                arts[label] = speed.artifact_for(target, n, workdir, w, weights)
-            return arts
+    specs, build = speed_artifacts(
+        target, dtypes, windows, weights, workdir,
+        lambda spec, label: check_speed_memory(spec, label, ctx, bat, steps),
+    )  # fmt: skip
+    speed.run_kernels(asked, specs)
 
     def run(say: Say) -> dict:
         arts = build(say)

@@ -1,8 +1,9 @@
 """``tqexport bench speed``: decode speed on ONNX Runtime CPU per kv dtype, and KV memory.
 
-Per configuration, B sequences with C tokens already cached (contiguous block tables; the cache
-bytes are zeros, decode cost does not depend on their values) take N single-token decode steps;
-the fastest step after a warm-up one counts. The kv dtypes of one (context, batch) point run
+Per configuration, B sequences with C tokens already cached (block tables as the block manager
+would hold them, :mod:`~tqexport.bench.filled`; the cache bytes are zeros, decode cost does not
+depend on their values) take N single-token decode steps; the fastest step after a warm-up one
+counts. The kv dtypes of one (context, batch) point run
 interleaved, step by step, in one process, so a loaded machine slows them alike and the ratios
 hold. Every configuration runs under each kernel choice asked (labels ``fp8 [native]``,
 ``fp8 [bodies]``), interleaved too. Reported: ms per step, tokens/s, the ratio to ``auto`` under
@@ -19,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from tqexport.bench.filled import filled_tables
 from tqexport.contract.artifact import Artifact, open_artifact
 from tqexport.contract.steps import SeqChunk, build_step
 from tqexport.errors import TQExportError
@@ -140,16 +142,11 @@ def decode_run(
     backends, tables = {}, {}
     for label, art in arts.items():
         b = batch[label] if isinstance(batch, dict) else batch
-        spec = art.spec
-        per_seq = -(-(context + steps) // spec.block_size)
+        counts, tables[label] = filled_tables(art.spec, b, context + steps, context)
         opts = {**(options or {}), **((step_options or {}).get(label) or {})}
         k = kernels[label] if isinstance(kernels, dict) else kernels
-        backends[label] = OrtBackend(art, 1 + b * per_seq + extra_blocks, threads,
+        backends[label] = OrtBackend(art, [n + extra_blocks for n in counts], threads,
                                      options=opts, kernels=k)  # fmt: skip
-        tables[label] = [
-            [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))] * len(spec.groups)
-            for i in range(b)
-        ]
     times = {label: [] for label in arts}
     for s in range(steps + 1):
         for label, backend in backends.items():
