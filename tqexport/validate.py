@@ -29,6 +29,8 @@ DEFAULT_BLOCK_SIZE = 16
 #: block ids are int32 in the step inputs
 MAX_NUM_BLOCKS = 2**31 - 1
 MAX_NUM_SEQS = 2**16
+#: the serving defaults (vLLM's names): sequences and tokens per engine step
+DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_NUM_BATCHED_TOKENS = 64, 512
 MAX_NUM_BATCHED_TOKENS = 2**20
 #: temperatures below this overflow ``logits / temperature`` in fp32; 0 means greedy
 MIN_TEMPERATURE = 1e-5
@@ -188,7 +190,12 @@ def sampling(max_tokens, temperature, top_k, top_p, seed_value, *, cli: bool = F
     seed(seed_value, _flag("seed", cli), seed_max)
 
 
-def serving(num_blocks=None, max_num_seqs=64, max_num_batched_tokens=512, backend=None) -> None:
+def serving(
+    num_blocks=None,
+    max_num_seqs=DEFAULT_MAX_NUM_SEQS,
+    max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    backend=None,
+) -> None:
     """The executor's sizes (``--num-blocks``, ``--max-num-seqs``, ...), before any allocation."""
     if num_blocks is not None:
         integer(num_blocks, "--num-blocks", 2, MAX_NUM_BLOCKS)

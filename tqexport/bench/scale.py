@@ -20,7 +20,6 @@ from tqexport.bench.filled import dropped_blocks
 from tqexport.bench.speed import decode_run, load_average, run_kernels
 from tqexport.contract.artifact import Artifact
 from tqexport.errors import TQExportError
-from tqexport.runtime.config import EngineConfig
 from tqexport.runtime.memory import allocation, resolve_num_blocks
 from tqexport.spec import ModelSpec
 from tqexport.spec.request import DEFAULT_WEIGHTS
@@ -93,8 +92,8 @@ def capacity(
     art: Artifact,
     context: int,
     budget: str,
-    max_num_seqs: int = EngineConfig.max_num_seqs,
-    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
+    max_num_seqs: int = validate.DEFAULT_MAX_NUM_SEQS,
+    max_num_batched_tokens: int = validate.DEFAULT_MAX_NUM_BATCHED_TOKENS,
 ) -> Capacity:
     """What ``serve --kv-cache-memory BUDGET --max-model-len CONTEXT`` admits at once: the
     memory plan split for that context, then the sequences its blocks hold (``inspect``'s
@@ -152,7 +151,7 @@ def measure_scale(
     budget: str,
     grid_memory: int,
     threads: int | None = None,
-    max_num_seqs: int = EngineConfig.max_num_seqs,
+    max_num_seqs: int = validate.DEFAULT_MAX_NUM_SEQS,
     progress: Callable[[str], None] = lambda what: None,
 ) -> dict:
     """The grid (:func:`grid_points`) and, per context, every format at its capacity batch
@@ -226,7 +225,7 @@ def plan_scale(
     workdir,
     recent: str = "0",
     weights: str = DEFAULT_WEIGHTS,
-    max_num_seqs: int = EngineConfig.max_num_seqs,
+    max_num_seqs: int = validate.DEFAULT_MAX_NUM_SEQS,
     threads: int | None = None,
 ) -> tuple[int, Callable]:
     """Every input of a scale run checked before anything is built: (the points it measures,

@@ -23,8 +23,8 @@ class EngineConfig:
     backend: str = "ort"
     num_blocks: int | None = None
     kv_cache_memory: str | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int = validate.DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = validate.DEFAULT_MAX_NUM_BATCHED_TOKENS
     threads: int | None = None
     chat_template: bool = True
     #: what runs the attention/cache ops on ONNX Runtime's CPU provider (auto: the native

@@ -27,8 +27,8 @@ def resolve_num_blocks(
     artifact: Artifact,
     num_blocks: int | None,
     memory: str | None,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 512,
+    max_num_seqs: int = validate.DEFAULT_MAX_NUM_SEQS,
+    max_num_batched_tokens: int = validate.DEFAULT_MAX_NUM_BATCHED_TOKENS,
     memory_limit: int | None = None,
     context: int | None = None,
 ) -> list[int]:
@@ -121,7 +121,10 @@ def _split(
 
 
 def max_sequences(
-    spec: ModelSpec, per_group: list[int], tokens: int, max_num_batched_tokens: int = 512
+    spec: ModelSpec,
+    per_group: list[int],
+    tokens: int,
+    max_num_batched_tokens: int = validate.DEFAULT_MAX_NUM_BATCHED_TOKENS,
 ) -> tuple[int, int | None]:
     """(sequences of ``tokens`` tokens that ``per_group`` blocks hold at once, the group that
     bounds them): full-attention groups need every block, windowed ones their live blocks and
@@ -145,8 +148,8 @@ def allocation(
     spec: ModelSpec,
     per_group: list[int],
     context: int | None = None,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 512,
+    max_num_seqs: int = validate.DEFAULT_MAX_NUM_SEQS,
+    max_num_batched_tokens: int = validate.DEFAULT_MAX_NUM_BATCHED_TOKENS,
 ) -> dict:
     """Per layer, per group and in total: the blocks and bytes ``per_group`` gives each cache,
     and with ``context`` how many sequences of that many tokens it holds at once and which
