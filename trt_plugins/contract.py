@@ -17,7 +17,7 @@ from tqexport.errors import TQExportError
 from tqexport.kvquant.codecs import Codec, codec_for
 from tqexport.ops.attributes import CACHE_WRITE, DOMAIN, PAGED_ATTENTION
 from tqexport.ops.triton import cache_write as triton_write
-from tqexport.ops.triton import paged_attention as triton_attention
+from tqexport.ops.triton import trt_attention
 from tqexport.ops.triton.common import supports
 
 NAMESPACE = DOMAIN
@@ -181,7 +181,7 @@ def launch_plan(plugin: str, attrs: dict) -> LaunchPlan:
         fn, sig, consts = triton_write.trt_kernel_variant(codec, heads, dtype)
         scalars, options = (), dict(triton_write.LAUNCH)
     else:
-        fn, sig, consts = triton_attention.trt_kernel_variant(
+        fn, sig, consts = trt_attention.trt_kernel_variant(
             codec, int(attrs["num_heads"]), heads, int(attrs["block_size"]), dtype,
             scale=float(attrs["scale"]), softcap=float(attrs["softcap"]),
             window=int(attrs["window"]), recent_window=int(attrs.get("recent_window", 0)),
