@@ -168,3 +168,22 @@ def test_bench_scale_command_json_plot_and_refusals(capsys, tmp_path, artifacts)
     assert code == 2 and err.startswith("error: --contexts 600: every context is over the ")
     code, _, err = main_inproc(capsys, "bench", "scale", target, "--grid-memory", "lots")
     assert code == 2 and err.startswith("error: --grid-memory")
+
+
+def test_a_long_prompt_is_admitted_one_chunk_per_step_beside_the_streams(artifacts):
+    """The streams keep decoding while the prompt is prefilled: each step carries their 4
+    tokens and a chunk of the rest of the budget, so 250 tokens at 64 a step take
+    ceil(250 / 60) = 5 steps to the prompt's first token (alone: 4); every step is timed."""
+    from tqexport.bench.prefill import QUIET_STEPS, decode_stall, measure_prefill
+
+    art = open_artifact(artifacts("tiny-llama", "fp8"))
+    steps = decode_stall(art, 250, 64)
+    assert len(steps["quiet_ms"]) == QUIET_STEPS and len(steps["admitting_ms"]) == 5
+    assert min(steps["quiet_ms"] + steps["admitting_ms"]) > 0
+    r = measure_prefill({"fp8": art}, [100, 300], 250, chunk=64)
+    assert [x["context"] for x in r["prefill"]] == [100, 300]
+    for x in r["prefill"]:
+        assert x["tokens_per_second"]["fp8"] == pytest.approx(x["context"] / x["seconds"]["fp8"])
+    s = r["stall"]["fp8"]
+    assert s["ratio"] == pytest.approx(s["admitting_p99_ms"] / s["quiet_p99_ms"])
+    assert len(s["admitting_ms"]) == 5

@@ -309,6 +309,16 @@ def bench_scale(
         Path | None, typer.Option(help="Write the two plots (tokens/s, capacity) as PNG here.")
     ] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing --plot file.")] = False,
+    prefill: Annotated[
+        bool,
+        typer.Option(
+            help="Also time each context's prompt to its first token (chunked prefill), and "
+            "decoding streams' inter-token p99 while a --stall-prompt prompt is admitted."
+        ),
+    ] = False,
+    stall_prompt: Annotated[
+        int, typer.Option(help="Tokens of the prompt admitted beside decoding streams.")
+    ] = scale.DEFAULT_STALL_PROMPT,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ):
     """Decode cost vs context and batch per kv dtype, each point beside its bytes-per-step
@@ -319,7 +329,7 @@ def bench_scale(
         check_output_file(plot, force, "--plot")
     total, run = scale.plan_scale(
         target, kv_cache_dtype, contexts, batches, steps, kv_cache_memory, grid_memory,
-        workdir, recent_window, weights, max_num_seqs, threads,
+        workdir, recent_window, weights, max_num_seqs, threads, prefill, stall_prompt,
     )  # fmt: skip
     with progress() as bar:
         task = bar.add_task("decode points", total=total)
@@ -368,11 +378,34 @@ def _print_scale(result: dict) -> None:
             f"left out (over the position limit {result['position_limit']}): "
             f"{', '.join(map(str, result['left_out_contexts']))}"
         ))  # fmt: skip
+    if "prefill" in result:
+        _print_prefill(result["prefill"], names)
     load = result["loadavg"]
     console.print(printable(
         f"kernels {result['kernels']}; load average before {load['before']}, after "
         f"{load['after']}; weights {', '.join(f'{n}: {w}' for n, w in result['weights'].items())}"
     ))  # fmt: skip
+
+
+def _print_prefill(pre: dict, names: list[str]) -> None:
+    """Time to first token per context, and the decoding streams' delay beside a long prompt."""
+    t = Table(title=printable(
+        f"prefill in chunks of {pre['chunk']} tokens: seconds to the first token (tokens/s)"
+    ))  # fmt: skip
+    for col in ("prompt", *names):
+        t.add_column(col, justify="right")
+    for r in pre["prefill"]:
+        t.add_row(str(r["context"]), *[
+            f"{r['seconds'][n]:.2f} ({r['tokens_per_second'][n]:.0f})" for n in names
+        ])  # fmt: skip
+    console.print(t)
+    for n in names:
+        s = pre["stall"][n]
+        console.print(printable(
+            f"{n}: {pre['streams']} streams' inter-token p99 {s['quiet_p99_ms']:.1f} ms alone, "
+            f"{s['admitting_p99_ms']:.1f} ms while a {pre['stall_tokens']}-token prompt is "
+            f"admitted ({s['ratio']:.2f}x)"
+        ))  # fmt: skip
 
 
 def _print_speed(speed: dict) -> None:

@@ -27,6 +27,8 @@ from tqexport.spec.request import DEFAULT_WEIGHTS
 DEFAULT_SCALE_CONTEXTS = "1024,4096,8192,16384,32768"
 DEFAULT_SCALE_BATCHES = "1,8,32"
 DEFAULT_SCALE_BUDGET = "1GiB"
+#: the prompt admitted beside decoding streams (``--prefill``): clipped to the model's limit
+DEFAULT_STALL_PROMPT = 8192
 #: the tensor the read bandwidth is measured on, bytes (far larger than any CPU cache)
 BANDWIDTH_BYTES = 512 * 2**20
 
@@ -227,9 +229,13 @@ def plan_scale(
     weights: str = DEFAULT_WEIGHTS,
     max_num_seqs: int = validate.DEFAULT_MAX_NUM_SEQS,
     threads: int | None = None,
+    prefill: bool = False,
+    stall_prompt: int = DEFAULT_STALL_PROMPT,
 ) -> tuple[int, Callable]:
     """Every input of a scale run checked before anything is built: (the points it measures,
-    ``run(say, progress)``, which builds or reuses the artifacts and measures them)."""
+    ``run(say, progress)``, which builds or reuses the artifacts and measures them; with
+    ``prefill``, :func:`~tqexport.bench.prefill.measure_prefill` too, its long prompt
+    ``stall_prompt`` tokens or the longest the model takes)."""
     from tqexport.bench import matrix
     from tqexport.weights.precision import stored_label
 
@@ -252,10 +258,20 @@ def plan_scale(
             "shorter ones"
         )
 
+    position_limit = spec.max_position_embeddings
+    validate.integer(stall_prompt, "--stall-prompt", 1, matrix.MAX_BENCH_CONTEXT)
+    if position_limit is not None:
+        stall_prompt = min(stall_prompt, position_limit - 1)
+
     def run(say: Callable[[str], None], progress: Callable[[str], None]) -> dict:
+        from tqexport.bench.prefill import measure_prefill
+
         arts = build(say)
         result = measure_scale(arts, kept, bat, steps, budget, limit, threads, max_num_seqs,
                                progress)  # fmt: skip
+        if prefill:
+            result["prefill"] = measure_prefill(arts, kept, stall_prompt, threads=threads,
+                                                progress=progress)  # fmt: skip
         return {
             **result,
             "model": spec.model.get("name"),
@@ -264,7 +280,9 @@ def plan_scale(
             "weights": {n: stored_label(a.spec) for n, a in arts.items()},
         }
 
-    return len(kept) * (len(bat) + 1), run
+    formats = len(specs) + matrix.is_artifact(target)  # an artifact runs beside auto
+    points = len(kept) * (len(bat) + 1) + (len(kept) + formats if prefill else 0)
+    return points, run
 
 
 def plot_scale(result: dict, path, force: bool = False) -> None:

@@ -1,0 +1,106 @@
+"""Prefill through the paged caches, as the engine serves it: a prompt's time to first token in
+chunks of ``max_num_batched_tokens`` (chunked prefill, the cache writes and attention kernels of
+the layer's own format), and how much a long prompt being admitted delays the tokens of the
+sequences already decoding (each of their tokens waits for one whole step, chunk included)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from tqexport import validate
+from tqexport.contract.artifact import Artifact
+from tqexport.runtime.executor import Executor
+from tqexport.runtime.sequence import SamplingParams
+
+#: the decoding streams, their prompt length, and the decode steps timed before the long prompt
+STREAMS, STREAM_PROMPT, QUIET_STEPS = 4, 16, 24
+PROMPT_SEED = 0
+
+
+def prompt_ids(spec, tokens: int) -> list[int]:
+    """``tokens`` token ids drawn from the model's vocabulary (seeded: every format alike; what
+    they say does not change a step's cost)."""
+    vocab = int(spec.model.get("vocab_size") or 256)
+    g = torch.Generator().manual_seed(PROMPT_SEED)
+    return torch.randint(0, vocab, (tokens,), generator=g).tolist()
+
+
+def _executor(art: Artifact, tokens: int, chunk: int, threads: int | None) -> Executor:
+    """An executor whose caches hold the long prompt and the decoding streams at once."""
+    bs = art.spec.block_size
+    blocks = 1 + -(-(tokens + 1) // bs) + STREAMS * -(-(STREAM_PROMPT + 4 * QUIET_STEPS) // bs)
+    return Executor(art, "ort", num_blocks=blocks + STREAMS, max_num_batched_tokens=chunk,
+                    max_num_seqs=STREAMS + 1, threads=threads)  # fmt: skip
+
+
+def time_to_first_token(art: Artifact, tokens: int, chunk: int, threads=None) -> float:
+    """Seconds from admitting a ``tokens``-token prompt to its first token, alone in the engine."""
+    ex = _executor(art, tokens, chunk, threads)
+    ex.add_request(prompt_ids(art.spec, tokens), SamplingParams(max_tokens=1))
+    t0 = time.perf_counter()
+    while not ex.scheduler.idle:
+        ex.step()
+    return time.perf_counter() - t0
+
+
+def decode_stall(art: Artifact, tokens: int, chunk: int, threads=None) -> dict:
+    """Step times (ms) of :data:`STREAMS` decoding sequences: ``quiet``, decoding alone; then
+    ``admitting``, every step while a ``tokens``-token prompt is prefilled beside them, until its
+    first token. Each step time is the delay between two tokens of every stream."""
+    ex = _executor(art, tokens, chunk, threads)
+    long_steps = -(-tokens // chunk) + 4 * QUIET_STEPS
+    for i in range(STREAMS):
+        ids = prompt_ids(art.spec, STREAM_PROMPT + i)[-STREAM_PROMPT:]
+        ex.add_request(ids, SamplingParams(max_tokens=QUIET_STEPS + long_steps + 4,
+                                           ignore_stop=True))  # fmt: skip
+    streams = [*ex.scheduler.waiting]
+    while any(s.num_cached < s.num_tokens - 1 for s in streams):
+        ex.step()  # the streams' prompts, untimed
+    quiet, admitting = [], []
+    for _ in range(QUIET_STEPS):
+        t0 = time.perf_counter()
+        ex.step()
+        quiet.append(1000 * (time.perf_counter() - t0))
+    long = ex.add_request(prompt_ids(art.spec, tokens), SamplingParams(max_tokens=1))
+    while not long.output:
+        t0 = time.perf_counter()
+        ex.step()
+        admitting.append(1000 * (time.perf_counter() - t0))
+    return {"quiet_ms": quiet, "admitting_ms": admitting}
+
+
+def p99(values: list[float]) -> float:
+    """The 99th percentile (linear interpolation; with few values, close to the largest)."""
+    return float(np.percentile(values, 99))
+
+
+def measure_prefill(arts: dict[str, Artifact], contexts: list[int], stall_tokens: int,
+                    chunk: int = validate.DEFAULT_MAX_NUM_BATCHED_TOKENS, threads=None,
+                    progress=lambda what: None) -> dict:  # fmt: skip
+    """Per context, every format's time to first token and prefill tokens/s; per format, the
+    streams' inter-token p99 with and without a ``stall_tokens`` prompt being admitted."""
+    from tqexport.bench.speed import load_average
+
+    rows = []
+    for c in contexts:
+        progress(f"prefill {c} tokens")
+        before = load_average()
+        secs = {n: time_to_first_token(a, c, chunk, threads) for n, a in arts.items()}
+        rows.append({"context": c, "seconds": secs,
+                     "tokens_per_second": {n: c / s for n, s in secs.items()},
+                     "loadavg": {"before": before, "after": load_average()}})  # fmt: skip
+    stall = {}
+    for n, a in arts.items():
+        progress(f"decode beside a {stall_tokens}-token prompt: {n}")
+        steps = decode_stall(a, stall_tokens, chunk, threads)
+        stall[n] = {
+            **steps,
+            "quiet_p99_ms": p99(steps["quiet_ms"]),
+            "admitting_p99_ms": p99(steps["admitting_ms"]),
+            "ratio": p99(steps["admitting_ms"]) / p99(steps["quiet_ms"]),
+        }
+    return {"chunk": chunk, "streams": STREAMS, "stall_tokens": stall_tokens, "prefill": rows,
+            "stall": stall}  # fmt: skip
