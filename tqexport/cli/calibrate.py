@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from tqexport import validate
 from tqexport.calibration import DEFAULT_CANDIDATES, DEFAULT_TOKENS
 from tqexport.console import console, progress
 from tqexport.safe_files import check_output_file
@@ -49,10 +48,7 @@ def calibrate(
     from tqexport.kvquant.transforms import parse_key_transform
 
     kinds = parse_key_transform(key_transform)
-    cands = cal.parse_candidates(candidates) if candidates is not None else cal.DEFAULT_CANDIDATES
-    validate.integer(tokens, "--tokens", 2, cal.MAX_TOKENS)
-    if calibration_text is not None:
-        validate.text_file(calibration_text, "--calibration-text")
+    cands = cal.check_options(candidates, tokens, calibration_text)
     check_output_file(out, force)
     from tqexport.models.config import describe_model
 

@@ -9,7 +9,6 @@ import typer
 from rich.table import Table
 
 from tqexport.console import console
-from tqexport.errors import TQExportError
 from tqexport.validate import printable
 
 
@@ -18,13 +17,9 @@ def dtypes(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ):
     """List every kv-cache dtype: mode, bits per element, bytes per token-head (K+V, all in)."""
-    from tqexport.kvquant.catalog import dtype_rows
-    from tqexport.kvquant.codecs import MAX_HEAD_SIZE
+    from tqexport.kvquant.catalog import check_head_size, dtype_rows
 
-    if head_size <= 0:
-        raise TQExportError(f"--head-size must be positive, got {head_size}")
-    if head_size > MAX_HEAD_SIZE:
-        raise TQExportError(f"--head-size must be at most {MAX_HEAD_SIZE}, got {head_size}")
+    check_head_size(head_size)
     rows = dtype_rows(head_size)
     if as_json:
         print(json.dumps({"head_size": head_size, "dtypes": rows}, indent=2))

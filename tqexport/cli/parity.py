@@ -9,14 +9,9 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from tqexport import validate
 from tqexport.cli.common import ENGINE
 from tqexport.console import console, ok_text
-from tqexport.errors import TQExportError
-from tqexport.native import KERNEL_CHOICES
-from tqexport.options import (
-    KernelsOption,
-)
+from tqexport.options import KernelsOption
 
 
 def parity(
@@ -29,21 +24,11 @@ def parity(
 ):
     """Run the artifact on ONNX Runtime and the torch reference side by side; exit 1 on mismatch."""
     from tqexport.contract.artifact import open_artifact
-    from tqexport.runtime.engine import position_limit
-    from tqexport.verify.parity import run_parity
+    from tqexport.verify.parity import check_options, check_position_limit, run_parity
 
-    validate.integer(steps, "--steps", 0, MAX_PARITY_STEPS)
-    validate.integer(prompt_len, "--prompt-len", 1, MAX_PARITY_PROMPT_LEN)
-    validate.integer(batch, "--batch", 1, MAX_PARITY_BATCH)
-    validate.seed(seed)
-    validate.choice(kernels, "--kernels", KERNEL_CHOICES)
+    check_options(steps, prompt_len, batch, seed, kernels)
     art = open_artifact(artifact)
-    limit = position_limit(art)
-    if limit is not None and prompt_len + steps > limit:
-        raise TQExportError(
-            f"--prompt-len {prompt_len} + --steps {steps} is more than the model's position "
-            f"limit of {limit} tokens; lower them"
-        )
+    check_position_limit(art, steps, prompt_len)
     report = run_parity(art, steps, prompt_len, batch, seed, kernels=kernels)
     console.print(f"ONNX Runtime runs the layers on {report.kernels}")
     judged = "judged" if report.logits_judged else "not judged: quantized layers, see per-layer"
@@ -68,7 +53,3 @@ def parity(
     console.print(Text.assemble("parity: ", ("PASS", "green") if report.ok else ("FAIL", "red")))
     if not report.ok:
         raise typer.Exit(1)
-
-
-#: parity's sizes: it runs every layer twice (ORT and the reference) on every step
-MAX_PARITY_STEPS, MAX_PARITY_PROMPT_LEN, MAX_PARITY_BATCH = 1024, 8192, 64

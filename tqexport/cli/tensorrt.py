@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from tqexport import validate
 from tqexport.console import console, fmt_bytes
 from tqexport.validate import printable
 
@@ -19,12 +18,8 @@ def engine(
     max_blocks: Annotated[int, typer.Option(help="Most cache blocks per layer.")] = 4096,
 ):
     """Build a TensorRT engine (engine.plan) into ARTIFACT: needs tensorrt>=10.9 and a GPU."""
-    from tqexport.export.trt import build_engine
+    from tqexport.export.trt import build_engine, check_sizes
 
-    validate.integer(max_batch, "--max-batch", 1, validate.MAX_NUM_SEQS)
-    validate.integer(
-        max_num_batched_tokens, "--max-num-batched-tokens", 1, validate.MAX_NUM_BATCHED_TOKENS
-    )
-    validate.integer(max_blocks, "--max-blocks", 2, validate.MAX_NUM_BLOCKS)
+    check_sizes(max_batch, max_num_batched_tokens, max_blocks)
     out = build_engine(artifact, max_batch, max_num_batched_tokens, max_blocks)
     console.print(printable(f"wrote {out} ({fmt_bytes(out.stat().st_size)})"))
