@@ -23,12 +23,7 @@ from tqexport.options import (
     SkipOption,
     WeightsOption,
 )
-from tqexport.spec.request import (
-    DEFAULT_KV_SCALES,
-    DEFAULT_OPSET,
-    DEFAULT_WEIGHTS,
-    MAX_BUILD_OPSET,
-)
+from tqexport.spec.request import DEFAULT_KV_SCALES, DEFAULT_OPSET, DEFAULT_WEIGHTS, MAX_BUILD_OPSET
 from tqexport.validate import DEFAULT_BLOCK_SIZE, printable
 
 

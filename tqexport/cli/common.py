@@ -13,13 +13,23 @@ from tqexport.errors import TQExportError
 from tqexport.options import given
 from tqexport.runtime.config import EngineConfig
 from tqexport.spec import BuildRequest
+from tqexport.spec.request import GIVEN_RULES
 from tqexport.validate import printable
 
 #: every serving option's default (run, inspect, serve): defined once, in EngineConfig
 ENGINE = EngineConfig()
 
-#: plan's and build's options whose explicit use BuildRequest.check_given judges
-_GIVEN_RULES = ("boundary", "kv_scales")
+
+def given_names(ctx: typer.Context) -> list[str]:
+    """The parameters given on the command line or in their environment variables, for the
+    rules that judge an option by whether it was given."""
+    return [name for name in ctx.params if given(ctx, name)]
+
+
+def one_output(as_json: bool, vllm_args: bool) -> None:
+    """``--json`` and ``--vllm-args`` each choose what is printed: at most one of them."""
+    if as_json and vllm_args:
+        raise TQExportError("--json and --vllm-args each choose what is printed; give one")
 
 
 def build_request(ctx: typer.Context, model: str, **fields) -> BuildRequest:
@@ -37,9 +47,9 @@ def build_request(ctx: typer.Context, model: str, **fields) -> BuildRequest:
         kv_layers=p["kv_layers"],
         **fields,
     )
-    rules = [name for name in _GIVEN_RULES if name in p and given(ctx, name)]
+    rules = [name for name in GIVEN_RULES if name in p and given(ctx, name)]
     budget = p["kv_bits"] is not None
-    request.check_given([r for r in rules if not (budget and r == "kv_scales")])
+    request.check_given(rules, layers_pending=budget)
     kv_layers = _budget_layers(ctx, model, request.dtype)
     if budget:
         request = dataclasses.replace(request, kv_layers=kv_layers)
@@ -53,29 +63,16 @@ def _budget_layers(ctx: typer.Context, model: str, dtype: str | None) -> str | N
     from tqexport import kv_budget
 
     p = ctx.params
+    kv_budget.check_calibration(p["kv_bits"], p["calibration"])
     if p["kv_bits"] is None:
-        if p["calibration"] is not None:
-            raise TQExportError("--calibration is read only by --kv-bits; add --kv-bits or drop it")
         return p["kv_layers"]
-    kv_bits = kv_budget.check_budget(p["kv_bits"])
-    names = ("kv_layers", "kv_cache_dtype", "skip_layers", "recent_window", "sink_tokens")
-    kv_budget.conflicts(f"{kv_bits:g}", {
-        "--kv-layers": p["kv_layers"] is not None, "--kv-cache-dtype": given(ctx, names[1]),
-        "--skip-layers": bool(p["skip_layers"]), "--kv-recent-window": given(ctx, names[3]),
-        "--kv-sink-tokens": given(ctx, names[4]),
-    })  # fmt: skip
-    from tqexport.kvquant.transforms import parse_key_transform
-    from tqexport.models.config import describe_model
-
-    desc = describe_model(model, dtype)
-    kinds = parse_key_transform(p["key_transform"])
-    choice, _ = kv_budget.budget_plan(model, desc, kv_bits, p["calibration"], say, kinds)
-    say(
-        f"--kv-bits {kv_bits:g} chose --kv-layers {choice.kv_layers}: "
-        f"{float(choice.bits_per_element):.4f} bits per element all in, predicted KL "
-        f"{choice.predicted_cost:.5f} (the sum of its layers' calibrated costs)"
-    )
-    return choice.kv_layers
+    overridden = {
+        "--kv-layers": p["kv_layers"] is not None, "--kv-cache-dtype": given(ctx, "kv_cache_dtype"),
+        "--skip-layers": bool(p["skip_layers"]), "--kv-recent-window": given(ctx, "recent_window"),
+        "--kv-sink-tokens": given(ctx, "sink_tokens"),
+    }  # fmt: skip
+    return kv_budget.choose_kv_layers(model, dtype, p["kv_bits"], p["calibration"],
+                                      p["key_transform"], overridden, say)  # fmt: skip
 
 
 def say(text: str) -> None:

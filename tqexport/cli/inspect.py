@@ -9,13 +9,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from tqexport.cli.common import ENGINE, VllmArgsOption, print_vllm_command
+from tqexport.cli.common import ENGINE, VllmArgsOption, given_names, one_output, print_vllm_command
 from tqexport.console import console, fmt_bytes, warn
-from tqexport.errors import TQExportError
-from tqexport.options import (
-    MemoryOptions,
-    given,
-)
+from tqexport.options import MemoryOptions, given
 from tqexport.runtime.config import EngineConfig
 from tqexport.validate import printable
 
@@ -40,40 +36,25 @@ def inspect(
     how many sequences of the longest length served fit at once."""
     from tqexport.contract.artifact import open_artifact
     from tqexport.native.library import choose as choose_kernels
-    from tqexport.runtime.engine import context_limit, limit_fallback_note
-    from tqexport.runtime.memory import allocation
-    from tqexport.runtime.text import has_tokenizer, load_tokenizer
+    from tqexport.runtime.context import served_context
+    from tqexport.runtime.memory import allocation, check_batched_tokens
     from tqexport.spec import recent_label
+    from tqexport.vllm_bridge import check_no_sizing
+    from tqexport.weights.graph import weights_summary
 
     config = EngineConfig(
         num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
     )  # fmt: skip
-    if as_json and vllm_args:
-        raise TQExportError("--json and --vllm-args each choose what is printed; give one")
+    one_output(as_json, vllm_args)
     art = open_artifact(artifact)
     spec = art.spec
     if vllm_args:
-        sizing = [n for n in ("num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs",
-                              "max_num_batched_tokens") if given(ctx, n)]  # fmt: skip
-        if sizing:
-            flag = "--" + sizing[0].replace("_", "-")
-            raise TQExportError(f"{flag} sizes the cache inspect shows; --vllm-args prints only "
-                                "the vLLM cache flags: drop one of them")  # fmt: skip
+        check_no_sizing(given_names(ctx))
         print_vllm_command(spec, spec.model.get("path", spec.model["name"]))
         return
-    if not any(g.window for g in spec.groups) and given(ctx, "max_num_batched_tokens"):
-        raise TQExportError(
-            f"--max-num-batched-tokens has no effect: {artifact} has no windowed caches for it "
-            "to size; drop it"
-        )
-    # the tokenizer is read only where it is the one source of the position limit
-    context, _ = context_limit(art, max_model_len)
-    tokenizer = None
-    if context is None and has_tokenizer(art.path):
-        tokenizer = load_tokenizer(art.path)
-        context, _ = context_limit(art, max_model_len, tokenizer)
-    note = limit_fallback_note(art, max_model_len, tokenizer)
+    check_batched_tokens(spec, artifact, given(ctx, "max_num_batched_tokens"))
+    context, note = served_context(art, max_model_len)
     if note:
         warn(note)
     plan = allocation(spec, config.group_blocks(art, context=context), context, max_num_seqs,
@@ -81,7 +62,7 @@ def inspect(
     rows, groups, summary = plan["layers"], plan["groups"], plan["summary"]
     kernels = choose_kernels(spec)  # what ONNX Runtime's CPU provider runs each layer on
     plan["kernels"] = {"ort_cpu": kernels.kernels, "why": kernels.reason}
-    plan["weights"] = _weights_summary(art)
+    plan["weights"] = weights_summary(art.model_file, spec.weights)
     for r in rows:
         r["kernels"] = kernels.kernels
     blocks, total, bf16 = summary["num_blocks"], summary["total_bytes"], summary["bf16_total_bytes"]
@@ -146,19 +127,3 @@ def inspect(
         f"; ONNX Runtime runs the block-quantized ones at accuracy level {w['accuracy_level']}"
     )  # fmt: skip
     console.print(f"weights by precision: {parts}{where}")
-
-
-def _weights_summary(art) -> dict:
-    """The artifact's weight bytes by precision (read from its graph) and how ORT runs them."""
-    import onnx
-
-    from tqexport.weights.graph import weight_bytes
-
-    graph = onnx.load(str(art.model_file), load_external_data=False)
-    sizes = dict(sorted(weight_bytes(graph).items(), key=lambda kv: -kv[1]))
-    w = art.spec.weights
-    return {
-        "bytes": sizes,
-        "accuracy_level": None if w is None else w.accuracy_level,
-        "default": None if w is None or w.default is None else w.default.to_dict(),
-    }

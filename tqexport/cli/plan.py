@@ -8,9 +8,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from tqexport.cli.common import VllmArgsOption, build_request, print_vllm_command
+from tqexport.cli.common import VllmArgsOption, build_request, one_output, print_vllm_command
 from tqexport.console import console, fmt_bytes, warn
-from tqexport.errors import TQExportError
 from tqexport.options import (
     BlockSizeOption,
     BoundaryOption,
@@ -25,9 +24,7 @@ from tqexport.options import (
     WeightsOption,
 )
 from tqexport.spec import BuildRequest
-from tqexport.spec.request import (
-    DEFAULT_WEIGHTS,
-)
+from tqexport.spec.request import DEFAULT_WEIGHTS
 from tqexport.validate import DEFAULT_BLOCK_SIZE, printable
 
 
@@ -60,8 +57,7 @@ def plan(
     from tqexport.resolve import resolve
     from tqexport.spec import recent_label
 
-    if as_json and vllm_args:
-        raise TQExportError("--json and --vllm-args each choose what is printed; give one")
+    one_output(as_json, vllm_args)
     request = build_request(ctx, model, dtype=dtype, weights=weights)
     kv_layers, kinds = request.kv_layers, request.key_transform
     desc = describe_model(model, dtype)

@@ -9,15 +9,9 @@ from typing import Annotated
 import typer
 
 from tqexport import validate
-from tqexport.cli.common import ENGINE
+from tqexport.cli.common import ENGINE, given_names
 from tqexport.console import console, err, fmt_bytes, warn
-from tqexport.errors import TQExportError
-from tqexport.options import (
-    EngineOptions,
-    KernelsOption,
-    MemoryOptions,
-    given,
-)
+from tqexport.options import EngineOptions, KernelsOption, MemoryOptions
 from tqexport.runtime.config import EngineConfig
 from tqexport.validate import printable
 
@@ -57,20 +51,11 @@ def run(
     from tqexport.runtime.engine import Engine
     from tqexport.runtime.sequence import SamplingParams
 
-    if (prompt is None) == (prompts_file is None):
-        raise TQExportError("give exactly one of --prompt and --prompts-file")
-    if prompt is not None and not prompt.strip():
-        raise TQExportError("--prompt is empty")
+    validate.prompt_source(prompt, prompts_file)
     validate.sampling(
         max_tokens, temperature, top_k, top_p, seed, cli=True, seed_max=validate.SEED_MAX
     )
-    if temperature == 0:
-        for name in ("top_k", "top_p", "seed"):
-            if given(ctx, name):
-                raise TQExportError(
-                    f"--{name.replace('_', '-')} has no effect with --temperature 0 (greedy): "
-                    "give a temperature > 0 to sample, or drop it"
-                )
+    validate.greedy(temperature, given_names(ctx))
     config = EngineConfig(
         backend, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads,
         chat_template, kernels, max_model_len,

@@ -8,15 +8,9 @@ from typing import Annotated
 import typer
 
 from tqexport import validate
-from tqexport.cli.common import ENGINE
+from tqexport.cli.common import ENGINE, given_names
 from tqexport.console import warn
-from tqexport.errors import TQExportError
-from tqexport.options import (
-    EngineOptions,
-    KernelsOption,
-    MemoryOptions,
-    given,
-)
+from tqexport.options import EngineOptions, KernelsOption, MemoryOptions
 from tqexport.runtime.config import EngineConfig
 
 
@@ -78,28 +72,8 @@ def serve(
 ):
     """Serve an artifact over OpenAI's HTTP API: /v1/completions, /v1/chat/completions
     (streamed or whole), /v1/models, /health, /metrics; SIGTERM drains and exits 0."""
-    import os
-
-    if api_key is None and os.environ.get("TQEXPORT_API_KEY") == "":
-        raise TQExportError("TQEXPORT_API_KEY is set but empty; give a key or unset it")
-    validate.api_key(api_key)
-    if metrics_public and api_key is None:
-        raise TQExportError(
-            "--metrics-public needs --api-key (or TQEXPORT_API_KEY): without a key every route "
-            "is open already"
-        )
-    validate.integer(port, "--port", 0, 65535)
-    validate.number(grace_seconds, "--grace-seconds", 0.0)
-    validate.integer(replicas, "--replicas", 1, 1024)
-    validate.number(replica_cpus, "--replica-cpus", 0.0)
-    if max_replicas_per_node is not None:
-        validate.integer(max_replicas_per_node, "--max-replicas-per-node", 1, 100)  # Ray's range
-    for name in ("replicas", "ray_address", "replica_cpus", "max_replicas_per_node"):
-        if given(ctx, name) and not ray:
-            flag = "--" + name.replace("_", "-")
-            raise TQExportError(
-                f"{flag} needs --ray (it sets up Ray Serve); add --ray or drop {flag}"
-            )
+    validate.serve_options(api_key, metrics_public, port, grace_seconds, replicas, replica_cpus,
+                           max_replicas_per_node, ray, given_names(ctx))  # fmt: skip
     config = EngineConfig(
         backend, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads,
         chat_template, kernels, max_model_len,
