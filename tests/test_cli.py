@@ -196,7 +196,7 @@ def test_help_exits_0_and_no_args_shows_help():
 def test_typer_exit_code_passes_through(monkeypatch, capsys):
     import typer
 
-    import tqexport.cli as cli
+    import tqexport.cli.root as cli
 
     fake = typer.Typer()
 

@@ -97,6 +97,16 @@ def parse_candidates(text: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def check_options(candidates: str | None, tokens: int, text: Path | None) -> tuple[str, ...]:
+    """``calibrate``'s measurement options checked before anything loads: the candidates
+    (default :data:`DEFAULT_CANDIDATES`), the tokens scored, the calibration text."""
+    cands = parse_candidates(candidates) if candidates is not None else DEFAULT_CANDIDATES
+    validate.integer(tokens, "--tokens", 2, MAX_TOKENS)
+    if text is not None:
+        validate.text_file(text, "--calibration-text")
+    return cands
+
+
 @dataclass(frozen=True)
 class Table:
     """A calibration table (see the module docstring for the file format)."""

@@ -145,6 +145,34 @@ def conflicts(kv_bits, given: dict[str, bool]) -> None:
             )
 
 
+def check_calibration(kv_bits: float | None, calibration) -> None:
+    """``--calibration`` is the table ``--kv-bits`` reads: without it, it has no effect."""
+    if kv_bits is None and calibration is not None:
+        raise TQExportError("--calibration is read only by --kv-bits; add --kv-bits or drop it")
+
+
+def choose_kv_layers(
+    model: str, dtype: str | None, kv_bits: float, calibration, key_transform: str,
+    given: dict[str, bool], say,
+) -> str:  # fmt: skip
+    """``--kv-layers`` as ``--kv-bits`` chooses it, the choice and its predicted cost said;
+    options it would override (``given`` maps flag -> whether it was given) are refused first."""
+    kv_bits = check_budget(kv_bits)
+    conflicts(f"{kv_bits:g}", given)
+    from tqexport.kvquant.transforms import parse_key_transform
+    from tqexport.models.config import describe_model
+
+    desc = describe_model(model, dtype)
+    kinds = parse_key_transform(key_transform)
+    choice, _ = budget_plan(model, desc, kv_bits, calibration, say, kinds)
+    say(
+        f"--kv-bits {kv_bits:g} chose --kv-layers {choice.kv_layers}: "
+        f"{float(choice.bits_per_element):.4f} bits per element all in, predicted KL "
+        f"{choice.predicted_cost:.5f} (the sum of its layers' calibrated costs)"
+    )
+    return choice.kv_layers
+
+
 def budget_plan(
     model: str, desc, kv_bits: float, calibration, say, key_transform: tuple[str, ...] = ()
 ) -> tuple[Choice, object]:

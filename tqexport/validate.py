@@ -190,6 +190,17 @@ def sampling(max_tokens, temperature, top_k, top_p, seed_value, *, cli: bool = F
     seed(seed_value, _flag("seed", cli), seed_max)
 
 
+def greedy(temperature: float, given: list[str]) -> None:
+    """Sampling options ``given`` (field names) with temperature 0 would be ignored: refused."""
+    if temperature == 0:
+        for name in ("top_k", "top_p", "seed"):
+            if name in given:
+                raise TQExportError(
+                    f"--{name.replace('_', '-')} has no effect with --temperature 0 (greedy): "
+                    "give a temperature > 0 to sample, or drop it"
+                )
+
+
 def serving(
     num_blocks=None,
     max_num_seqs=DEFAULT_MAX_NUM_SEQS,
@@ -223,6 +234,33 @@ def api_key(key: str | None) -> str | None:
                 "Authorization header; use printable ASCII without spaces"
             )
     return key
+
+
+def serve_options(key: str | None, metrics_public: bool, port: int, grace_seconds: float,
+                  replicas: int, replica_cpus: float, max_replicas_per_node: int | None,
+                  ray: bool, given: list[str]) -> None:  # fmt: skip
+    """``serve``'s own options before anything loads; the Ray ones (``given``: field names of
+    those given) only with ``--ray``."""
+    if key is None and os.environ.get("TQEXPORT_API_KEY") == "":
+        raise TQExportError("TQEXPORT_API_KEY is set but empty; give a key or unset it")
+    api_key(key)
+    if metrics_public and key is None:
+        raise TQExportError(
+            "--metrics-public needs --api-key (or TQEXPORT_API_KEY): without a key every route "
+            "is open already"
+        )
+    integer(port, "--port", 0, 65535)
+    number(grace_seconds, "--grace-seconds", 0.0)
+    integer(replicas, "--replicas", 1, 1024)
+    number(replica_cpus, "--replica-cpus", 0.0)
+    if max_replicas_per_node is not None:
+        integer(max_replicas_per_node, "--max-replicas-per-node", 1, 100)  # Ray's range
+    for name in ("replicas", "ray_address", "replica_cpus", "max_replicas_per_node"):
+        if name in given and not ray:
+            flag = "--" + name.replace("_", "-")
+            raise TQExportError(
+                f"{flag} needs --ray (it sets up Ray Serve); add --ray or drop {flag}"
+            )
 
 
 def physical_memory() -> int | None:
@@ -296,6 +334,14 @@ def text_file(path: Path, option: str) -> str:
     if not text.strip():
         raise TQExportError(f"{option} {path} is empty; give a UTF-8 text file")
     return text
+
+
+def prompt_source(prompt: str | None, path: Path | None) -> None:
+    """``run`` reads one prompt or one prompts file, and a prompt must say something."""
+    if (prompt is None) == (path is None):
+        raise TQExportError("give exactly one of --prompt and --prompts-file")
+    if prompt is not None and not prompt.strip():
+        raise TQExportError("--prompt is empty")
 
 
 def prompts_file(path: Path) -> list[str]:

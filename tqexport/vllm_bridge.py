@@ -12,6 +12,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
+from tqexport.errors import TQExportError
 from tqexport.kvquant.modes import parse_kv_cache_dtype
 from tqexport.resolve import TURBOQUANT_BOUNDARY_LAYERS, turboquant_boundary
 from tqexport.spec import AttentionType, ModelSpec
@@ -69,3 +70,14 @@ def vllm_args(spec: ModelSpec) -> VllmArgs:
             skip = [SLIDING_WINDOW, *sorted(kept - sliding)]
         args += ["--kv-cache-dtype-skip-layers", *map(str, skip)]
     return VllmArgs(tuple(args), tuple(why))
+
+
+def check_no_sizing(given: list[str]) -> None:
+    """``inspect --vllm-args`` prints only vLLM's cache flags: an option sizing the cache
+    (``given``: field names of the options given) would have no effect."""
+    sizing = [n for n in ("num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs",
+                          "max_num_batched_tokens") if n in given]  # fmt: skip
+    if sizing:
+        flag = "--" + sizing[0].replace("_", "-")
+        raise TQExportError(f"{flag} sizes the cache inspect shows; --vllm-args prints only "
+                            "the vLLM cache flags: drop one of them")  # fmt: skip

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import onnx
 
+from tqexport import validate
 from tqexport.contract.artifact import open_artifact
 from tqexport.contract.files import ENGINE_FILE, PROFILE_FILE
 from tqexport.errors import TQExportError
@@ -94,6 +95,13 @@ def profile_shapes(
         sizes = [dims[d] if isinstance(d, str) else (d, d, d) for d in x["shape"]]
         out[x["name"]] = tuple(tuple(s[i] for s in sizes) for i in range(3))
     return out
+
+
+def check_sizes(max_batch: int, max_tokens: int, max_blocks: int) -> None:
+    """The engine profile's limits (``--max-batch``, ...), before anything is read."""
+    validate.integer(max_batch, "--max-batch", 1, validate.MAX_NUM_SEQS)
+    validate.integer(max_tokens, "--max-num-batched-tokens", 1, validate.MAX_NUM_BATCHED_TOKENS)
+    validate.integer(max_blocks, "--max-blocks", 2, validate.MAX_NUM_BLOCKS)
 
 
 def build_engine(artifact_dir: str | Path, max_batch: int, max_tokens: int, max_blocks: int,

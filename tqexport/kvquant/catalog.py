@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 from tqexport.errors import TQExportError
-from tqexport.kvquant.codecs import compression_vs_bf16, make_codec
+from tqexport.kvquant.codecs import MAX_HEAD_SIZE, compression_vs_bf16, make_codec
 from tqexport.kvquant.modes import KV_CACHE_DTYPES
+
+
+def check_head_size(head_size: int) -> int:
+    """``--head-size`` of the table: positive, and no larger than any codec takes."""
+    if head_size <= 0:
+        raise TQExportError(f"--head-size must be positive, got {head_size}")
+    if head_size > MAX_HEAD_SIZE:
+        raise TQExportError(f"--head-size must be at most {MAX_HEAD_SIZE}, got {head_size}")
+    return head_size
 
 
 def dtype_rows(head_size: int) -> list[dict]:

@@ -3,6 +3,8 @@ count or a byte budget, and what every layer's caches then take (``inspect`` pri
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tqexport import validate
 from tqexport.contract.artifact import Artifact
 from tqexport.errors import TQExportError
@@ -142,6 +144,15 @@ def max_sequences(
         if best is None or seqs < best[0]:
             best = (seqs, g.id)
     return best
+
+
+def check_batched_tokens(spec: ModelSpec, artifact_dir: Path, given: bool) -> None:
+    """``--max-num-batched-tokens`` sizes only windowed caches: given without any, refused."""
+    if not any(g.window for g in spec.groups) and given:
+        raise TQExportError(
+            f"--max-num-batched-tokens has no effect: {artifact_dir} has no windowed caches for it "
+            "to size; drop it"
+        )
 
 
 def allocation(

@@ -46,6 +46,8 @@ DEFAULT_KV_SCALES = "1.0"
 #: means per source); a spec recorded before the option existed stored them as fp32
 WEIGHTS = ("auto", "fp32", "fp16", "int8", "int4")
 DEFAULT_WEIGHTS, UNRECORDED_WEIGHTS = "auto", "fp32"
+#: the options whose explicit use :meth:`BuildRequest.check_given` judges (field names)
+GIVEN_RULES = ("boundary", "kv_scales")
 
 
 def parse_kv_scales(value: str) -> float | None:
@@ -143,9 +145,10 @@ class BuildRequest:
         ranges = kv_layers.parse_kv_layers(self.kv_layers) if self.kv_layers else ()
         return [self.kv_cache_dtype, *(r.dtype for r in ranges)]
 
-    def check_given(self, given: Collection[str]) -> None:
+    def check_given(self, given: Collection[str], layers_pending: bool = False) -> None:
         """The command line's rule for options it names in ``given`` (field names): an option
-        given explicitly must change something, else one line says so."""
+        given explicitly must change something, else one line says so. ``layers_pending``:
+        ``--kv-bits`` has yet to choose the layers, so ``--kv-scales`` is judged after it."""
         entry = parse_kv_cache_dtype(self.kv_cache_dtype)
         if "boundary" in given and not entry.is_turboquant:
             flag = "--boundary" if self.boundary else "--no-boundary"
@@ -159,7 +162,7 @@ class BuildRequest:
                 "give a quantized dtype or drop it"
             )
         scaled = any(parse_kv_cache_dtype(n).mode.uses_layer_scales for n in self.dtype_names())
-        if "kv_scales" in given and not scaled:
+        if "kv_scales" in given and not layers_pending and not scaled:
             where = f"--kv-cache-dtype {self.kv_cache_dtype}" + (
                 " nor --kv-layers" if self.kv_layers else ""
             )

@@ -29,6 +29,7 @@ from tqexport.contract.caches import allocate_caches, cache_output_name
 from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
 from tqexport.errors import TQExportError
 from tqexport.models.paged import PagedCausalLM
+from tqexport.native import KERNEL_CHOICES
 from tqexport.native.library import choose as choose_kernels
 from tqexport.ops import reference
 from tqexport.ops.attributes import CACHE_WRITE, DOMAIN, PAGED_ATTENTION, attention_segments
@@ -41,8 +42,11 @@ from tqexport.runtime.backends.ort import (
     providers,
 )
 from tqexport.runtime.backends.torch import load_source_model
+from tqexport.runtime.engine import position_limit
 from tqexport.spec import ModelSpec, block_tables_name, slot_mapping_name
 
+#: parity's sizes: it runs every layer twice (ORT and the reference) on every step
+MAX_PARITY_STEPS, MAX_PARITY_PROMPT_LEN, MAX_PARITY_BATCH = 1024, 8192, 64
 TOL = 1e-4
 #: the accuracy level parity runs block-quantized weights at: float32 inputs, so ORT computes
 #: with exactly the dequantized weights the reference holds (serving runs the spec's level)
@@ -218,6 +222,25 @@ def _check_layers(spec: ModelSpec, step, caches, out, taps, step_no):
                   "; ".join(details), ok)
         )  # fmt: skip
     return checks
+
+
+def check_options(steps: int, prompt_len: int, batch: int, seed: int, kernels: str) -> None:
+    """``parity``'s sizes, seed and ``--kernels``, before the artifact is opened."""
+    validate.integer(steps, "--steps", 0, MAX_PARITY_STEPS)
+    validate.integer(prompt_len, "--prompt-len", 1, MAX_PARITY_PROMPT_LEN)
+    validate.integer(batch, "--batch", 1, MAX_PARITY_BATCH)
+    validate.seed(seed)
+    validate.choice(kernels, "--kernels", KERNEL_CHOICES)
+
+
+def check_position_limit(artifact: Artifact, steps: int, prompt_len: int) -> None:
+    """The longest sequence parity runs must fit the model's position limit."""
+    limit = position_limit(artifact)
+    if limit is not None and prompt_len + steps > limit:
+        raise TQExportError(
+            f"--prompt-len {prompt_len} + --steps {steps} is more than the model's position "
+            f"limit of {limit} tokens; lower them"
+        )
 
 
 def run_parity(

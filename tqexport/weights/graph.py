@@ -279,3 +279,16 @@ def read_stored(model: onnx.ModelProto) -> dict[str, np.ndarray]:
                         None if offset is None else np.ascontiguousarray(offset), "")  # fmt: skip
         out[base] = w.dequantize()
     return out
+
+
+def weights_summary(model_file: Path, weights) -> dict:
+    """An artifact's weight bytes by precision (read from its graph, largest first) and how ORT
+    runs them (``weights``: its spec's weights, None for a spec without)."""
+    graph = onnx.load(str(model_file), load_external_data=False)
+    sizes = dict(sorted(weight_bytes(graph).items(), key=lambda kv: -kv[1]))
+    default = None if weights is None else weights.default
+    return {
+        "bytes": sizes,
+        "accuracy_level": None if weights is None else weights.accuracy_level,
+        "default": None if default is None else default.to_dict(),
+    }
