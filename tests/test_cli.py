@@ -497,7 +497,7 @@ def test_every_command_refuses_empty_values():
         return [c for s in subs.values() for c in commands(s)] if subs else [cmd]
 
     found = commands(typer.main.get_command(app))
-    assert len(found) == 12 and all(isinstance(c, Command) for c in found), found
+    assert len(found) == 13 and all(isinstance(c, Command) for c in found), found
 
 
 def combined(*args):
