@@ -12,11 +12,11 @@ Two families are screened against a base candidate and its upgrade (by default
 - a candidate per kv head: each kv head of a layer takes the base or the upgrade on its own,
   at a third of the layer's bits (SmolLM2: 3 kv heads).
 
-Costs are the calibration's (:mod:`tqexport.calibration`: mean KL against the unquantized model
-with only that layer, or that kv head, changed); plans under each budget come from the exact
-knapsack ``--kv-bits`` solves (:func:`tqexport.kv_budget.least_cost`). Printed: the predicted
-KL of the best plan per budget, per layer from {base, upgrade}, with the split added, and per
-kv head.
+Costs are the calibration's (:mod:`tqexport.kvplan.calibration`: mean KL against the
+unquantized model with only that layer, or that kv head, changed); plans under each budget come
+from the exact knapsack ``--kv-bits`` solves (:func:`tqexport.kvplan.kv_budget.least_cost`).
+Printed: the predicted KL of the best plan per budget, per layer from {base, upgrade}, with the
+split added, and per kv head.
 
     python benchmarks/layer_candidates.py --budgets 2.875,3.0,3.125 --json out/screen.json
 """
@@ -31,15 +31,15 @@ from pathlib import Path
 
 import torch
 
-from tqexport import calibration_sim
-from tqexport.calibration import BaselineKL
-from tqexport.export.artifact import calibrate_key_transforms, held_out_calibration_text
-from tqexport.kv_budget import candidate_bits, layer_elements, least_cost
-from tqexport.kv_layers import parse_kv_layers
+from tqexport.kvplan import calibration_sim
+from tqexport.kvplan.calibration import BaselineKL
+from tqexport.kvplan.fitting import calibrate_key_transforms, held_out_calibration_text
+from tqexport.kvplan.kv_budget import candidate_bits, layer_elements, least_cost
 from tqexport.kvquant import transforms
 from tqexport.kvquant import turboquant as tq
 from tqexport.kvquant.codecs import NC_EPS, NORM_EPS, make_codec
 from tqexport.models.loader import load_model
+from tqexport.spec.kv_layers import parse_kv_layers
 
 
 def mse_round_trip(x: torch.Tensor, bits: int) -> torch.Tensor:

@@ -24,8 +24,8 @@ import torch
 from transformers import AttentionInterface
 
 from tqexport.bench.evaltext import pydoc_topics
-from tqexport.calibration_sim import mixed_attention
-from tqexport.export.artifact import held_out_calibration_text, key_statistics
+from tqexport.kvplan.calibration_sim import mixed_attention
+from tqexport.kvplan.fitting import held_out_calibration_text, key_statistics
 from tqexport.kvquant import turboquant as tq
 from tqexport.kvquant.codecs import make_codec
 from tqexport.models.loader import load_model

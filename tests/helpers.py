@@ -10,12 +10,12 @@ import torch
 
 from tqexport.contract.caches import allocate_caches
 from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
+from tqexport.kvplan.resolve import resolve
 from tqexport.kvquant.modes import kv_cache_dtype_names
 from tqexport.kvquant.turboquant import vllm_twin
 from tqexport.models.description import AttentionLayer, ModelDescription
 from tqexport.models.paged import PagedCausalLM
 from tqexport.ops.attributes import DOMAIN
-from tqexport.resolve import resolve
 from tqexport.spec import BuildRequest
 from tqexport.verify.parity import compare_write
 

@@ -10,6 +10,7 @@ from helpers import MATRIX_DTYPES, describe
 from onnx import helper
 
 from tqexport.export.functions import function_for
+from tqexport.kvplan.resolve import resolve
 from tqexport.kvquant.bits import fp8_decode, fp16_from_bytes
 from tqexport.kvquant.codecs import (
     _FP8_E4M3_TABLE,
@@ -23,7 +24,6 @@ from tqexport.kvquant.packing import unpack_codes
 from tqexport.ops import reference
 from tqexport.ops.attributes import DOMAIN, PAGED_ATTENTION, node_attrs
 from tqexport.ops.library import codec_for
-from tqexport.resolve import resolve
 from tqexport.spec import BuildRequest
 
 DTYPES = MATRIX_DTYPES

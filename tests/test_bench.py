@@ -569,7 +569,7 @@ def test_sliding_layers_hold_their_window_share_of_the_elements():
 
     from helpers import dense, describe, gemma_like
 
-    from tqexport.storage_bits import held_share
+    from tqexport.kvplan.storage_bits import held_share
 
     assert held_share(describe(([512] * 5 + [None]) * 3).layers) == Fraction(13, 48)
     assert held_share(gemma_like(6, window=512).layers) == Fraction(3 * 1 + 3 * 8, 6 * 8)

@@ -276,8 +276,8 @@ def test_smollm2_boundary_3_plan_and_real_artifact_read_back(artifacts):
     """boundary:3 on the real model's config; the real artifact (shared with the transformers
     generation test) carries its tokenizer and generation config. A quantized SmolLM2 build
     with parity is `make demo`'s job (mixed per-layer graphs: the tiny models above)."""
+    from tqexport.kvplan.resolve import resolve
     from tqexport.models.config import describe_model
-    from tqexport.resolve import resolve
     from tqexport.spec import BuildRequest
 
     spec = resolve(

@@ -124,7 +124,7 @@ def test_no_import_cycle_between_any_two_modules():
         ("tqexport.runtime", {"tqexport.export", "tqexport.verify", "tqexport.cli"}),
         ("tqexport.export", {"tqexport.runtime", "tqexport.verify", "tqexport.cli"}),
         ("trt_plugins", {"tqexport.export", "tqexport.runtime", "tqexport.contract"}),
-        ("tqexport.spec", {"tqexport.resolve", "tqexport.export", "tqexport.runtime"}),
+        ("tqexport.spec", {"tqexport.kvplan", "tqexport.export", "tqexport.runtime"}),
     ],
 )
 def test_layering(unit, forbidden):

@@ -11,10 +11,10 @@ import torch
 from helpers import describe, prefill_chunks
 
 from tqexport.errors import TQExportError
+from tqexport.kvplan.resolve import ResolveError, resolve
 from tqexport.kvquant import transforms
 from tqexport.kvquant.transforms import KeyStats, KeyTransform, fit, parse_key_transform
 from tqexport.models.loader import load_model
-from tqexport.resolve import ResolveError, resolve
 from tqexport.spec import (
     BuildRequest,
     LayerSpec,

@@ -10,11 +10,17 @@ import pytest
 import torch
 from helpers import dense, main_inproc
 
-from tqexport import calibration as cal
 from tqexport.errors import TQExportError
-from tqexport.kv_budget import as_kv_layers, candidate_bits, choose, layer_elements, least_cost
+from tqexport.kvplan import calibration as cal
+from tqexport.kvplan.kv_budget import (
+    as_kv_layers,
+    candidate_bits,
+    choose,
+    layer_elements,
+    least_cost,
+)
+from tqexport.kvplan.resolve import resolve
 from tqexport.models.config import describe_model
-from tqexport.resolve import resolve
 from tqexport.spec import BuildRequest
 
 
@@ -84,7 +90,7 @@ def test_least_cost_scales_past_its_front_limit_and_stays_feasible(monkeypatch):
     costs at least the exact optimum (found with an unlimited front), never 4 GB of states."""
     import random
 
-    from tqexport import kv_budget
+    from tqexport.kvplan import kv_budget
 
     rng = random.Random(0)
     bits = [[Fraction(rng.randint(0, 4096 * 64), 4096) for _ in range(12)] for _ in range(8)]
@@ -144,7 +150,7 @@ def test_calibrate_writes_a_table_that_kv_bits_reads(tmp_path, capsys):
 def test_calibration_measures_only_the_changed_layer():
     """Skipping the unchanged layers reproduces the baseline exactly (auto: KL 0), and a
     quantized layer costs something."""
-    from tqexport.calibration_sim import LayerSimulation
+    from tqexport.kvplan.calibration_sim import LayerSimulation
     from tqexport.metrics import Totals
     from tqexport.models.loader import load_model
 
@@ -177,7 +183,7 @@ def test_simulation_attends_as_the_model_in_sliding_and_softcapped_layers(model)
     8 over 40 tokens; Gemma 2: attention and final-logit softcaps), every layer re-run from its
     own inputs reproduces them (Gemma 3: local and global rotary), and a sliding layer whose
     recent window covers its whole window (w8) is exact while w7 is not."""
-    from tqexport.calibration_sim import LayerSimulation
+    from tqexport.kvplan.calibration_sim import LayerSimulation
     from tqexport.models.loader import load_model
 
     lm = load_model(model, "float32")
@@ -196,7 +202,7 @@ def test_simulation_attends_as_the_model_in_sliding_and_softcapped_layers(model)
 def test_simulation_refuses_a_model_without_decoder_layers():
     from types import SimpleNamespace
 
-    from tqexport.calibration_sim import LayerSimulation
+    from tqexport.kvplan.calibration_sim import LayerSimulation
 
     lm = SimpleNamespace(description=dense(2), model=SimpleNamespace(model=None))
     with pytest.raises(TQExportError) as e:
@@ -223,7 +229,7 @@ def test_a_sliding_layer_counts_only_its_window():
 
 def test_calibration_kl_is_the_benchmark_kl():
     """calibrate's KL (baseline log-probabilities computed once) is Totals' to the last bit."""
-    from tqexport.calibration_sim import LayerSimulation
+    from tqexport.kvplan.calibration_sim import LayerSimulation
     from tqexport.metrics import Totals
     from tqexport.models.loader import load_model
 
@@ -398,8 +404,8 @@ def test_the_simulation_transforms_keys_as_the_executor_does():
     """One layer tqx_k4v2_mse (window 4, sinks 2) under a fitted center transform: the
     simulated logits are the paged executor's, and differ from the untransformed ones."""
     from tqexport.bench.quality import _executor
-    from tqexport.calibration_sim import LayerSimulation
     from tqexport.export.artifact import resolve_spec
+    from tqexport.kvplan.calibration_sim import LayerSimulation
     from tqexport.models.loader import load_model
     from tqexport.spec import BuildRequest
 

@@ -9,9 +9,9 @@ from test_cli import NOWHERE
 
 from tqexport.contract.artifact import open_artifact
 from tqexport.errors import ResolveError
-from tqexport.kv_layers import parse_kv_layers
-from tqexport.resolve import resolve
+from tqexport.kvplan.resolve import resolve
 from tqexport.spec import BuildRequest, SpecError, spec_from_dict, spec_from_json
+from tqexport.spec.kv_layers import parse_kv_layers
 
 
 def dtypes_of(spec):

@@ -6,9 +6,9 @@ from helpers import Run, assert_same_run, prefill_chunks
 
 from tqexport.contract.caches import allocate_caches
 from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
+from tqexport.kvplan.resolve import resolve
 from tqexport.models.loader import load_model
 from tqexport.models.paged import PagedCausalLM
-from tqexport.resolve import resolve
 from tqexport.spec import BuildRequest
 
 TINY = ["tiny-llama", "tiny-llama-d128", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-mistral"]

@@ -123,7 +123,7 @@ def test_a_folder_that_cannot_be_searched_is_one_line_before_any_work(tmp_path, 
     before --kv-bits measures its table."""
     from helpers import main_inproc
 
-    from tqexport import calibration
+    from tqexport.kvplan import calibration
 
     locked = tmp_path / "locked"
     locked.mkdir()

@@ -49,7 +49,7 @@ def _runs(flip_at):
     from helpers import Run, dense
 
     from tqexport.contract.caches import allocate_caches
-    from tqexport.resolve import resolve
+    from tqexport.kvplan.resolve import resolve
     from tqexport.spec import BuildRequest
 
     spec = resolve(dense(1, head_size=64, kv_heads=1, dtype="float32"), BuildRequest("fp8")).spec

@@ -15,9 +15,9 @@ from helpers import assert_greedy, assert_same_generation, at_accuracy, serving,
 
 from tqexport.contract.artifact import open_artifact
 from tqexport.errors import TQExportError
+from tqexport.kvplan.resolve import resolve
 from tqexport.models.config import describe_model
 from tqexport.models.paged import PagedCausalLM
-from tqexport.resolve import resolve
 from tqexport.runtime.engine import Engine, EngineConfig
 from tqexport.runtime.executor import Executor
 from tqexport.runtime.sequence import SamplingParams
@@ -233,8 +233,8 @@ def test_gemma_calibration_attends_as_the_model():
     cuts them. A sliding layer's recent window of 512 keeps it exact."""
     from test_kv_budget import model_logits
 
-    from tqexport.calibration_sim import LayerSimulation
-    from tqexport.export.artifact import held_out_calibration_text
+    from tqexport.kvplan.calibration_sim import LayerSimulation
+    from tqexport.kvplan.fitting import held_out_calibration_text
     from tqexport.models.loader import load_model
 
     lm = load_model(GEMMA, "float32")

@@ -17,9 +17,9 @@ from helpers import (
 
 from tqexport.contract.artifact import open_artifact
 from tqexport.errors import TQExportError
+from tqexport.kvplan.resolve import ResolveError, resolve
 from tqexport.models.loader import load_model
 from tqexport.ops import reference
-from tqexport.resolve import ResolveError, resolve
 from tqexport.runtime.executor import Executor
 from tqexport.runtime.sequence import SamplingParams
 from tqexport.spec import BuildRequest, SpecError, spec_from_dict, spec_from_json

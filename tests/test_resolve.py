@@ -1,8 +1,8 @@
 import pytest
 from helpers import dense, describe, gemma_like
 
+from tqexport.kvplan.resolve import ResolveError, parse_skip_patterns, resolve, turboquant_boundary
 from tqexport.kvquant.modes import KVQuantMode, kv_cache_dtype_names
-from tqexport.resolve import ResolveError, parse_skip_patterns, resolve, turboquant_boundary
 from tqexport.spec import BuildRequest
 
 TQ = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]

@@ -16,9 +16,9 @@ import pytest
 from helpers import main_inproc
 
 from tqexport import safe_files
-from tqexport.calibration import Table
 from tqexport.errors import TQExportError
 from tqexport.export import outdir
+from tqexport.kvplan.calibration import Table
 
 PRECIOUS = "precious bytes\n"
 

@@ -9,9 +9,9 @@ import torch
 from helpers import assert_greedy, assert_same_run, prefill_chunks, serve_on_torch
 
 from tqexport.errors import TQExportError
+from tqexport.kvplan.resolve import ResolveError, resolve
 from tqexport.models.config import describe_model
 from tqexport.models.loader import load_model
-from tqexport.resolve import ResolveError, resolve
 from tqexport.runtime.blocks import NULL_BLOCK, GroupAllocator
 from tqexport.spec import (
     BuildRequest,

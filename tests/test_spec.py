@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tqexport.errors import TQExportError
+from tqexport.kvplan.resolve import resolve
 from tqexport.kvquant.codecs import make_codec
 from tqexport.kvquant.modes import KVQuantMode, kv_cache_dtype_names, quant_mode_of
-from tqexport.resolve import resolve
 from tqexport.spec import (
     SCHEMA_VERSION,
     BuildRequest,

@@ -50,8 +50,8 @@ def plans(name, **kw):
 
 @pytest.mark.parametrize("recent,sink", [(0, 0), (8, 0), (8, 2)])
 def test_declared_attributes_are_exactly_what_the_nodes_carry(recent, sink):
+    from tqexport.kvplan.resolve import resolve
     from tqexport.models.config import describe_model
-    from tqexport.resolve import resolve
     from tqexport.spec import BuildRequest
 
     spec = resolve(
@@ -185,8 +185,8 @@ def test_wrong_arity_and_engine_check_refuse_in_one_line():
     with pytest.raises(TQExportError, match="recent window 0.*use PagedAttentionSlot$"):
         contract.launch_plan("PagedAttentionSlotRecent", attrs("turboquant_4bit_nc"))
     from tqexport.export.trt import check_layers
+    from tqexport.kvplan.resolve import resolve
     from tqexport.models.config import describe_model
-    from tqexport.resolve import resolve
     from tqexport.spec import BuildRequest
 
     spec = resolve(

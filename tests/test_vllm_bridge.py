@@ -6,7 +6,7 @@ import sys
 import pytest
 from helpers import dense, gemma_like, main_inproc
 
-from tqexport.resolve import resolve
+from tqexport.kvplan.resolve import resolve
 from tqexport.spec import BuildRequest
 from tqexport.vllm_bridge import vllm_args
 

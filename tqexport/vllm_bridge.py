@@ -13,8 +13,8 @@ import shlex
 from dataclasses import dataclass
 
 from tqexport.errors import TQExportError
+from tqexport.kvplan.resolve import TURBOQUANT_BOUNDARY_LAYERS, turboquant_boundary
 from tqexport.kvquant.modes import parse_kv_cache_dtype
-from tqexport.resolve import TURBOQUANT_BOUNDARY_LAYERS, turboquant_boundary
 from tqexport.spec import AttentionType, ModelSpec
 
 #: what vLLM calls every sliding-window layer in ``--kv-cache-dtype-skip-layers``

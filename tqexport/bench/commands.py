@@ -158,8 +158,8 @@ def _budget_configs(target, kv_bits, calibration, others: dict, key_transform: s
     """One configuration per ``--kv-bits`` budget, each layer's cache chosen by the knapsack
     (keys under ``key_transform``, the one the table was measured under); ``others`` maps each
     option the budget would override to whether it was given."""
-    from tqexport import kv_budget
     from tqexport.bench.quality import Config
+    from tqexport.kvplan import kv_budget
     from tqexport.kvquant.transforms import parse_key_transform
     from tqexport.models.config import describe_model
 

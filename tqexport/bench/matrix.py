@@ -114,7 +114,7 @@ def _layer_configs(kv_layers, dtypes, boundary, skip, windows, sink_counts, kv_s
     """One configuration per ``--kv-layers`` value (and global window, sinks, key transform);
     the one ``--kv-cache-dtype`` given, else auto, is what the layers left out get."""
     from tqexport.bench.quality import Config
-    from tqexport.kv_layers import parse_kv_layers
+    from tqexport.spec.kv_layers import parse_kv_layers
 
     names = split(dtypes, "--kv-cache-dtype") or ["auto"]
     if len(names) > 1:
@@ -191,8 +191,8 @@ def run_quality(
         note = "not run: llama-cpp-python is not installed (pip install -e '.[peers]')"
     else:
         say(f"llama.cpp: scoring {len(ids)} chunks (f16, q8_0, q4_0)")
+        from tqexport.kvplan.storage_bits import held_share
         from tqexport.models.config import describe_model
-        from tqexport.storage_bits import held_share
 
         share = float(held_share(describe_model(source).layers))
         peer_result = peers.evaluate(gguf, ids, threads=threads, held_share=share)
@@ -253,8 +253,8 @@ def speed_artifacts(
             return {"auto": auto, name: art}
 
         return {name: art.spec}, build_one
+    from tqexport.kvplan.resolve import resolve
     from tqexport.models.config import describe_model
-    from tqexport.resolve import resolve
 
     given = split(dtypes, "--kv-cache-dtype") or BENCH_SPEED_DTYPES
     names = ["auto", *[n for n in given if n != "auto"]]

@@ -78,7 +78,7 @@ def evaluate(
 ) -> dict:
     """Perplexity per llama.cpp KV type; KL and top-1 against llama.cpp's own f16 run. Bits per
     element are the type's, times ``held_share`` (llama.cpp's sliding layers keep only their
-    window, as ours: :func:`tqexport.storage_bits.held_share`)."""
+    window, as ours: :func:`tqexport.kvplan.storage_bits.held_share`)."""
     if not available():
         raise TQExportError(
             "the llama.cpp peer needs llama-cpp-python: pip install -e '.[peers]' "

@@ -19,12 +19,12 @@ from tqexport.bench.evaltext import EvalText, chunk_tokens
 from tqexport.contract.artifact import Artifact, open_artifact
 from tqexport.errors import TQExportError
 from tqexport.export.artifact import resolve_spec
+from tqexport.kvplan.storage_bits import bits_per_element
 from tqexport.kvquant.modes import parse_kv_cache_dtype
 from tqexport.metrics import Baseline, Totals
 from tqexport.runtime.executor import Executor
 from tqexport.spec import BuildRequest, ModelSpec
 from tqexport.spec.request import DEFAULT_KV_SCALES, DEFAULT_WEIGHTS
-from tqexport.storage_bits import bits_per_element
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from tqexport.calibration import DEFAULT_CANDIDATES, DEFAULT_TOKENS
 from tqexport.console import console, progress
+from tqexport.kvplan.calibration import DEFAULT_CANDIDATES, DEFAULT_TOKENS
 from tqexport.safe_files import check_output_file
 from tqexport.validate import printable
 
@@ -44,7 +44,7 @@ def calibrate(
 ):
     """Measure what each candidate cache costs in each layer (KL of the next-token distribution
     with only that layer changed) and write the table `--kv-bits` reads."""
-    from tqexport import calibration as cal
+    from tqexport.kvplan import calibration as cal
     from tqexport.kvquant.transforms import parse_key_transform
 
     kinds = parse_key_transform(key_transform)

@@ -60,7 +60,7 @@ def build_request(ctx: typer.Context, model: str, **fields) -> BuildRequest:
 def _budget_layers(ctx: typer.Context, model: str, dtype: str | None) -> str | None:
     """``--kv-layers`` as given, or as ``--kv-bits`` chooses it (the plan and its predicted
     cost printed to stderr); options ``--kv-bits`` would override are refused first."""
-    from tqexport import kv_budget
+    from tqexport.kvplan import kv_budget
 
     p = ctx.params
     kv_budget.check_calibration(p["kv_bits"], p["calibration"])

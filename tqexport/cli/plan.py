@@ -52,10 +52,10 @@ def plan(
 ):
     """Print the per-layer cache plan of MODEL and what its weights would take, from its config
     (a GGUF: its tensor index) alone: no weights loaded."""
-    from tqexport.kv_layers import covered, parse_kv_layers
+    from tqexport.kvplan.resolve import resolve
     from tqexport.models.config import describe_model
-    from tqexport.resolve import resolve
     from tqexport.spec import recent_label
+    from tqexport.spec.kv_layers import covered, parse_kv_layers
 
     one_output(as_json, vllm_args)
     request = build_request(ctx, model, dtype=dtype, weights=weights)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from tqexport import kv_layers
 from tqexport.errors import TQExportError
 from tqexport.kvquant.modes import parse_kv_cache_dtype
+from tqexport.spec import kv_layers
 from tqexport.spec.groups import build_groups
 from tqexport.spec.limits import (
     INCONSISTENT,

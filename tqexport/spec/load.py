@@ -11,7 +11,6 @@ from tqexport.kvquant import transforms
 from tqexport.kvquant.codecs import MAX_HEAD_SIZE
 from tqexport.kvquant.modes import parse_kv_cache_dtype
 from tqexport.kvquant.transforms import KeyTransform
-from tqexport.skip_layers import parse_skip_pattern
 from tqexport.spec.cache import KVCacheSpec, cache_spec, recent_spec
 from tqexport.spec.groups import CacheGroup
 from tqexport.spec.layer import SKIP_BOUNDARY, SKIP_PATTERN_PREFIX, LayerSpec
@@ -44,6 +43,7 @@ from tqexport.spec.reading import (
     str_field,
 )
 from tqexport.spec.request import request_from_dict
+from tqexport.spec.skip_layers import parse_skip_pattern
 from tqexport.spec.weights import weights_from_dict
 from tqexport.validate import MAX_BLOCK_SIZE, MAX_RECENT_WINDOW, MAX_SINK_TOKENS
 

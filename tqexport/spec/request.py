@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqexport import kv_layers, validate
+from tqexport import validate
 from tqexport.errors import ResolveError, TQExportError
 from tqexport.kvquant import transforms
 from tqexport.kvquant.modes import parse_kv_cache_dtype
-from tqexport.skip_layers import parse_skip_patterns
+from tqexport.spec import kv_layers
 from tqexport.spec.limits import (
     MAX_LAYERS,
     MAX_OPSET,
@@ -35,6 +35,7 @@ from tqexport.spec.reading import (
     positive,
     str_field,
 )
+from tqexport.spec.skip_layers import parse_skip_patterns
 from tqexport.validate import DEFAULT_BLOCK_SIZE, MAX_RECENT_WINDOW, MAX_SINK_TOKENS
 
 #: the ONNX opsets a build may target: fp8 casts need 21

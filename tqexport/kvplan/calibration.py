@@ -3,9 +3,9 @@
 A candidate is a ``--kv-layers`` entry without its range (``DTYPE[:wN][:sN]``). Its cost in a
 layer is the mean KL(baseline || run) of the next-token distributions over the calibration
 tokens when only that layer takes it (every other layer ``auto``), scored in an unpaged forward
-whose chosen layer reads what its paged cache would hold (:mod:`tqexport.calibration_sim`).
+whose chosen layer reads what its paged cache would hold (:mod:`tqexport.kvplan.calibration_sim`).
 Default text: the held-out pydoc topics the key transforms fit on
-(:func:`~tqexport.export.artifact.held_out_calibration_text`), which the evaluation windows
+(:func:`~tqexport.kvplan.fitting.held_out_calibration_text`), which the evaluation windows
 never see. Under a key transform (``--kv-key-transform``) the chosen layer's keys are
 transformed as a build with that transform stores them (fitted on the calibration text), so a
 table predicts the builds of its own transform only; candidates that cannot take one (fp8)
@@ -23,7 +23,7 @@ read as ``key_transform`` ``none``)::
      "baseline_ppl": float, "elapsed_seconds": float}
 
 The bits each candidate takes are not stored: they follow from the model and the candidate
-(:func:`tqexport.storage_bits.layer_bits`), so a table never disagrees with the codecs.
+(:func:`tqexport.kvplan.storage_bits.layer_bits`), so a table never disagrees with the codecs.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from pathlib import Path
 
 from tqexport import validate
 from tqexport.errors import TQExportError
-from tqexport.kv_layers import parse_kv_layers
 from tqexport.kvquant import transforms
 from tqexport.kvquant.modes import parse_kv_cache_dtype
 from tqexport.safe_files import read_regular_file, write_output
+from tqexport.spec.kv_layers import parse_kv_layers
 
 FORMAT, VERSION = "tqexport-kv-calibration", 2
 #: the versions read (1: written before key transforms, so measured without one)
@@ -279,15 +279,15 @@ def measure(
     """Score every (layer, candidate) with only that layer changed against the baseline, the
     layer's keys under ``key_transform`` (fitted on the calibration text, as a build fits it)."""
     from tqexport import validate
-    from tqexport.calibration_sim import LayerSimulation
-    from tqexport.export.artifact import (
-        _tokens,
+    from tqexport.kvplan.calibration_sim import LayerSimulation
+    from tqexport.kvplan.fitting import (
         calibrate_key_transforms,
+        calibration_tokens,
         held_out_calibration_text,
     )
+    from tqexport.kvplan.resolve import resolve
     from tqexport.metrics import Totals
     from tqexport.models.loader import load_model
-    from tqexport.resolve import resolve
     from tqexport.spec import BuildRequest
 
     start = time.monotonic()
@@ -302,7 +302,7 @@ def measure(
     if lm.tokenizer is not None:
         ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
     else:  # a tiny random built-in: its bytes, as the key transforms' calibration reads them
-        ids = _tokens(lm, resolve(lm.description, BuildRequest()).spec, text, tokens)
+        ids = calibration_tokens(lm, resolve(lm.description, BuildRequest()).spec, text, tokens)
     if len(ids) < 2:
         raise TQExportError(f"the calibration text has {len(ids)} tokens; give a longer one")
     sim = LayerSimulation(lm, ids)

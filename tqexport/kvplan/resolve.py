@@ -12,12 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tqexport.errors import ResolveError, TQExportError
-from tqexport.kv_layers import OPTION as KV_LAYERS
-from tqexport.kv_layers import covered, layer_recent, parse_kv_layers, spans
 from tqexport.kvquant.modes import parse_kv_cache_dtype
 from tqexport.kvquant.transforms import KeyTransform, key_transform_label, refusal
 from tqexport.models.description import ModelDescription
-from tqexport.skip_layers import parse_skip_patterns
 from tqexport.spec import (
     BuildRequest,
     LayerSpec,
@@ -26,6 +23,9 @@ from tqexport.spec import (
     cache_spec,
     recent_spec,
 )
+from tqexport.spec.kv_layers import OPTION as KV_LAYERS
+from tqexport.spec.kv_layers import covered, layer_recent, parse_kv_layers, spans
+from tqexport.spec.skip_layers import parse_skip_patterns
 
 UNQUANTIZED = "auto"
 #: vLLM protects the first and last 2 attention layers of dense models for every TurboQuant preset
@@ -73,7 +73,7 @@ def resolve(
     sliding layer keeps at most its own window), and S sink tokens the first S tokens of every
     sequence there as well. The key transform names the kinds of exact key transform every
     quantized layer takes (checked here; with ``kv_layers``, every ``tqx_*`` layer, the others
-    keeping plain keys). ``kv_layers`` (the ``--kv-layers`` grammar, :mod:`tqexport.kv_layers`)
+    keeping plain keys). ``kv_layers`` (the ``--kv-layers`` grammar, :mod:`tqexport.spec.kv_layers`)
     gives ranges of layers their own dtype, window and sinks; the others get all of the above.
     Fitted values come beside the request: ``kv_scales`` maps layer index -> (k_scale,
     v_scale) for fp8/nvfp4 layers (default 1.0), ``key_transforms`` the fitted transforms per

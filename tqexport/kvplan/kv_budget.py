@@ -5,7 +5,7 @@ partial plan, keeping only the Pareto front (fewer bits or less cost). Exact whi
 at most :data:`MAX_FRONT` plans (the default candidates on every model measured); a larger front
 is thinned to the cheapest plan of each of MAX_FRONT equal spans of bits, so time and memory
 stay O(layers x MAX_FRONT x options) whatever the table (options: at most
-:data:`tqexport.calibration.MAX_CANDIDATES` + 1). Bits are
+:data:`tqexport.kvplan.calibration.MAX_CANDIDATES` + 1). Bits are
 exact (:class:`fractions.Fraction`): every candidate's all-in bits per token of each layer, as
 ``bench quality`` counts them (unquantized storage at 16 bits; recent windows and sliding
 layers, which hold a window of each sequence, amortized over 4096 tokens); the predicted cost
@@ -39,9 +39,9 @@ class Choice:
 
 def candidate_bits(desc, candidates) -> list[list[Fraction]]:
     """[layer][candidate] bits per token, exact; candidate 0 is ``auto``."""
-    from tqexport.resolve import resolve
+    from tqexport.kvplan.resolve import resolve
+    from tqexport.kvplan.storage_bits import layer_bits
     from tqexport.spec import BuildRequest
-    from tqexport.storage_bits import layer_bits
 
     last = len(desc.layers) - 1
     out = [[] for _ in desc.layers]
@@ -178,7 +178,7 @@ def budget_plan(
 ) -> tuple[Choice, object]:
     """The chosen plan and its table: read from ``calibration`` (measured under the build's
     ``key_transform``), or measured now under it (said)."""
-    from tqexport import calibration as cal
+    from tqexport.kvplan import calibration as cal
 
     if calibration is not None:
         table = cal.read_table(calibration)
