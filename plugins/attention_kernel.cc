@@ -296,7 +296,7 @@ struct ValueRuns {
 // fp32 caches are read in place (a row per key, no copy into the tile)
 template <Mode M>
 inline const float* cache_row(const Format& f, const CacheView& c, int i, int64_t th) {
-  return M == Mode::NONE && f.storage == Elem::F32
+  return M == Mode::NONE && f.storage == Elem::float32
              ? reinterpret_cast<const float*>(c.data[i]) + th * f.head_size
              : nullptr;
 }

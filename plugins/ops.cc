@@ -74,7 +74,7 @@ struct CacheAttrs {
   int64_t kv_heads = 0, head_size = 0, block_size = 0, layer = -1;
   float k_scale = 1.0f, v_scale = 1.0f;
   Format format;
-  Elem model = Elem::F32;
+  Elem model = Elem::float32;
 };
 
 std::string read_cache_attrs(const OrtKernelInfo* info, CacheAttrs& a) {
@@ -88,20 +88,21 @@ std::string read_cache_attrs(const OrtKernelInfo* info, CacheAttrs& a) {
     return "missing or bad block_size";
   if (!attr_float(info, "k_scale", a.k_scale) || !attr_float(info, "v_scale", a.v_scale))
     return "missing k_scale/v_scale";
-  if (a.model_dtype == "float32") a.model = Elem::F32;
-  else if (a.model_dtype == "float16") a.model = Elem::F16;
-  else if (a.model_dtype == "bfloat16") a.model = Elem::BF16;
-  else return "unknown model_dtype '" + a.model_dtype + "'";
-  return resolve_format(a.format, a.kv_cache_dtype, a.model_dtype,
-                        static_cast<int>(a.head_size), a.k_scale, a.v_scale);
+  const gen::ModelDtype* model = nullptr;
+  for (const auto& m : gen::kModelDtypes)
+    if (a.model_dtype == m.name) model = &m;
+  if (!model) return "unknown model_dtype '" + a.model_dtype + "'";
+  a.model = model->elem;
+  return resolve_format(a.format, a.kv_cache_dtype, a.model, static_cast<int>(a.head_size),
+                        a.k_scale, a.v_scale);
 }
 
 // -- tensors ----------------------------------------------------------------------------------
 ONNXTensorElementDataType onnx_type(Elem e) {
   switch (e) {
-    case Elem::F32: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-    case Elem::F16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-    case Elem::BF16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
+    case Elem::float32: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    case Elem::float16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    case Elem::bfloat16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
     default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
   }
 }
@@ -219,7 +220,7 @@ std::vector<int64_t> widen(const Tensor& t) {
 
 std::vector<float> to_float(const void* data, Elem e, int64_t n) {
   std::vector<float> out(n);
-  if (e == Elem::F32) {
+  if (e == Elem::float32) {
     std::memcpy(out.data(), data, n * 4);
   } else {
     for (int64_t i = 0; i < n; ++i) out[i] = load_elem(data, e, i);
@@ -409,7 +410,7 @@ struct PagedAttentionKernel {
     void* out_data = output(ctx, 0, dims);
     const int64_t numel = tokens * num_heads * a.head_size;
     std::vector<float> qf, of;
-    if (a.model == Elem::F32) {
+    if (a.model == Elem::float32) {
       s.q = static_cast<const float*>(q.data);
       s.out = static_cast<float*>(out_data);
     } else {
@@ -436,7 +437,7 @@ struct PagedAttentionKernel {
     paged_attention(s, attention_kernel().run, [&](size_t total, const std::function<void(size_t)>& fn) {
       parallel(ctx, total, fn);
     });
-    if (a.model != Elem::F32)
+    if (a.model != Elem::float32)
       for (int64_t i = 0; i < numel; ++i) store_elem(out_data, a.model, i, of[i]);
   }
 };
@@ -494,7 +495,7 @@ std::string setup_attention(const OrtKernelInfo* info, PagedAttentionKernel& k) 
     return "window, recent_window and sink_tokens must be >= 0";
   if (k.sink_tokens && !k.recent_window) return "sink_tokens need a recent_window";
   if (k.recent_window)
-    return resolve_format(k.recent_format, "auto", k.a.model_dtype,
+    return resolve_format(k.recent_format, "auto", k.a.model,
                           static_cast<int>(k.a.head_size), 1.0f, 1.0f);
   return "";
 }

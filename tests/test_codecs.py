@@ -7,6 +7,7 @@ from tqexport.kvquant.bits import E4M3, E5M2, fp8_decode
 from tqexport.kvquant.codecs import (
     E2M1_VALUES,
     Fp8PerTensorCodec,
+    cache_tensors,
     e2m1_decode,
     e2m1_encode,
     make_codec,
@@ -148,3 +149,13 @@ def test_decode_is_idempotent_after_one_round_trip(name, heads, seed):
     k2, v2 = codec.decode(codec.encode(k1, v1))
     torch.testing.assert_close(v2, v1, atol=2e-2 * v1.abs().max().item() + 1e-6, rtol=0)
     torch.testing.assert_close(k2, k1, atol=2e-2 * k1.abs().max().item() + 1e-6, rtol=0)
+
+
+def test_cache_tensors_are_the_codecs_tensors():
+    """cache_tensors answers without building a codec, and answers what the codec has."""
+    for name in kv_cache_dtype_names():
+        for d in (64, 128):
+            assert (
+                cache_tensors(name, d, "float16")
+                == make_codec(name, d, model_dtype="float16").tensors
+            )

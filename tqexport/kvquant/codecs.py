@@ -34,15 +34,16 @@ from tqexport.kvquant.modes import KVQuantMode, parse_kv_cache_dtype
 from tqexport.kvquant.packing import pack_codes, unpack_codes
 
 MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: every element type a cache tensor or a model input has (quantized data is uint8 bytes)
+TENSOR_DTYPES = {**MODEL_DTYPES, "uint8": torch.uint8}
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """Map a dtype name used in specs to torch (model dtypes, uint8, fp32)."""
-    table = {**MODEL_DTYPES, "uint8": torch.uint8}
     try:
-        return table[name]
+        return TENSOR_DTYPES[name]
     except KeyError:
-        raise TQExportError(f"unknown dtype {name!r}; valid: {', '.join(table)}") from None
+        raise TQExportError(f"unknown dtype {name!r}; valid: {', '.join(TENSOR_DTYPES)}") from None
 
 
 @dataclass(frozen=True)
@@ -463,9 +464,14 @@ class TurboQuantCodec(Codec):
             self.scale_weights = fp16_field_weights(params, range(0, params, 4))
             self.zero_weights = fp16_field_weights(params, range(2, params, 4))
 
+    @staticmethod
+    def slot_tensors(layout: tq.SlotLayout) -> tuple[TensorFormat, ...]:
+        """The one uint8 tensor of slots, known from the layout alone."""
+        return (TensorFormat("kv", "uint8", layout.slot_size_aligned),)
+
     @property
     def tensors(self):
-        return (TensorFormat("kv", "uint8", self.layout.slot_size_aligned),)
+        return self.slot_tensors(self.layout)
 
     # -- MSE vectors (keys; values of the _mse presets) ---------------------------------------
     def _mse_codes(self, x: torch.Tensor, book: _Codebook):
@@ -715,6 +721,19 @@ def make_codec(
     if mode is KVQuantMode.TURBOQUANT:
         return TurboQuantCodec(kv_cache_dtype, head_size)
     raise AssertionError(f"no codec for mode {mode}")  # every registry mode is handled above
+
+
+def cache_tensors(
+    kv_cache_dtype: str, head_size: int, model_dtype: str = "bfloat16"
+) -> tuple[TensorFormat, ...]:
+    """The tensors of :func:`make_codec`'s codec, without building a TurboQuant codec's
+    rotation and codebook tables (the native header asks this of every head size)."""
+    check_head_size(head_size)
+    if parse_kv_cache_dtype(kv_cache_dtype).mode is KVQuantMode.TURBOQUANT:
+        preset = tq.preset(kv_cache_dtype)
+        tq.check_head_size(preset, head_size)
+        return TurboQuantCodec.slot_tensors(tq.SlotLayout(preset, head_size))
+    return make_codec(kv_cache_dtype, head_size, model_dtype=model_dtype).tensors
 
 
 def compression_vs_bf16(codec: Codec) -> float:
