@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import operator
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -30,7 +31,7 @@ from tqexport.kvquant.bits import (
     int8_to_bytes,
     lookup,
 )
-from tqexport.kvquant.modes import KVQuantMode, parse_kv_cache_dtype
+from tqexport.kvquant.modes import KVCacheDType, KVQuantMode, parse_kv_cache_dtype
 from tqexport.kvquant.packing import pack_codes, unpack_codes
 
 MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -705,22 +706,26 @@ def make_codec(
     """
     check_head_size(head_size)
     entry = parse_kv_cache_dtype(kv_cache_dtype)
-    mode = entry.mode
-    if mode is KVQuantMode.NONE:
-        storage = model_dtype if entry.element == "model" else entry.element
-        torch_dtype(storage)
-        return UnquantizedCodec(head_size, storage)
-    if mode is KVQuantMode.FP8_PER_TENSOR:
-        return Fp8PerTensorCodec(head_size, entry.element, k_scale, v_scale)
-    if mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD):
-        return SymmetricPerTokenHeadCodec(head_size, mode)
-    if mode is KVQuantMode.INT4_PER_TOKEN_HEAD:
-        return Int4PerTokenHeadCodec(head_size)
-    if mode is KVQuantMode.NVFP4:
-        return NvFp4Codec(head_size, k_scale, v_scale)
-    if mode is KVQuantMode.TURBOQUANT:
-        return TurboQuantCodec(kv_cache_dtype, head_size)
-    raise AssertionError(f"no codec for mode {mode}")  # every registry mode is handled above
+    return CODECS[entry.mode](entry, head_size, model_dtype, k_scale, v_scale)
+
+
+def _unquantized(entry: KVCacheDType, head_size: int, model_dtype: str, *_) -> Codec:
+    storage = model_dtype if entry.element == "model" else entry.element
+    torch_dtype(storage)  # an unknown model dtype: one line naming the valid ones
+    return UnquantizedCodec(head_size, storage)
+
+
+#: The codec of each quant mode, from (registry entry, head size, model dtype, k_scale, v_scale):
+#: a dtype name over an existing mode needs nothing here, a new mode one entry.
+CODECS: dict[KVQuantMode, Callable[..., Codec]] = {
+    KVQuantMode.NONE: _unquantized,
+    KVQuantMode.FP8_PER_TENSOR: lambda e, d, _, ks, vs: Fp8PerTensorCodec(d, e.element, ks, vs),
+    KVQuantMode.INT8_PER_TOKEN_HEAD: lambda e, d, *_: SymmetricPerTokenHeadCodec(d, e.mode),
+    KVQuantMode.FP8_PER_TOKEN_HEAD: lambda e, d, *_: SymmetricPerTokenHeadCodec(d, e.mode),
+    KVQuantMode.INT4_PER_TOKEN_HEAD: lambda e, d, *_: Int4PerTokenHeadCodec(d),
+    KVQuantMode.NVFP4: lambda e, d, _, ks, vs: NvFp4Codec(d, ks, vs),
+    KVQuantMode.TURBOQUANT: lambda e, d, *_: TurboQuantCodec(e.name, d),
+}
 
 
 def cache_tensors(
