@@ -130,6 +130,7 @@ std::string resolve_format(Format& f, const std::string& name, Elem model, int d
       f.storage = f.tensors[0].elem;
       break;
     case Mode::FP8_PER_TENSOR:
+      if (!entry->fp8) return name + " has no fp8 format";
       f.fp8 = entry->fp8;
       for (int b = 0; b < 256; ++b) {
         f.k_table[b] = f.fp8->table[b] * k_scale;

@@ -46,9 +46,9 @@ struct TensorFmt {
 
 // A cache's tensors for one step: base pointers and each tensor's values per (token, head).
 struct CacheView {
-  const uint8_t* data[6] = {};
-  int width[6] = {};
-  int elem[6] = {};  // bytes per value
+  const uint8_t* data[gen::kMaxCacheTensors] = {};
+  int width[gen::kMaxCacheTensors] = {};
+  int elem[gen::kMaxCacheTensors] = {};  // bytes per value
 };
 
 struct Format {

@@ -14,6 +14,7 @@ import pytest
 from tqexport.kvquant import codecs, modes
 from tqexport.kvquant.modes import KV_CACHE_DTYPES, KVCacheDType, KVQuantMode
 from tqexport.native import build, header
+from tqexport.ops import attributes
 
 SOURCES = sorted(build.SOURCE_DIR.glob("*.cc")) + sorted(build.SOURCE_DIR.glob("*.h"))
 THROWAWAY = KVCacheDType(
@@ -66,14 +67,19 @@ def test_the_kernels_compile_against_a_header_with_a_registered_dtype(throwaway,
 
 def test_the_cpp_sources_retype_no_registry_name():
     """Dtype, element, model-dtype and tensor-role names reach the format code only through the
-    header; ops.cc (which names ONNX types and op inputs, a vocabulary of its own) no dtype."""
+    header; ops.cc (which names ONNX types and op inputs, a vocabulary of its own) no dtype and
+    no op, domain or node attribute name."""
     dtypes = set(KV_CACHE_DTYPES) - {"auto"}  # "auto": the recent window's cache (spec.cache)
     names = dtypes | {d.element for d in KV_CACHE_DTYPES.values()} | set(codecs.TENSOR_DTYPES)
     names |= {t.role for n in KV_CACHE_DTYPES for t in codecs.cache_tensors(n, 128)}
+    onnx_types = set(codecs.TENSOR_DTYPES)  # ops.cc's type names ("float16" is a dtype too)
+    node = {attributes.DOMAIN, attributes.CACHE_WRITE, attributes.PAGED_ATTENTION}
+    for table in (attributes.CACHE_ATTRS, attributes.ATTENTION_ATTRS, attributes.SEGMENT_ATTRS,
+                  attributes.NODE_ATTRS):  # fmt: skip
+        node |= set(table)
     for src in SOURCES:
         quoted = set(re.findall(r'"([A-Za-z0-9_]+)"', src.read_text()))
-        onnx_types = set(codecs.TENSOR_DTYPES)  # ops.cc's type names ("float16" is a dtype too)
-        found = quoted & (dtypes - onnx_types if src.name == "ops.cc" else names)
+        found = quoted & ((dtypes - onnx_types) | node if src.name == "ops.cc" else names)
         assert not found, f"{src.name} retypes {sorted(found)}"
 
 

@@ -4,10 +4,11 @@ The ONNX Runtime kernels in ``plugins/`` never retype a format: the dtype regist
 format's cache tensors (roles, element types, widths per head size, from the codecs), the
 element and model dtypes, the TurboQuant presets and slot layouts, the codebooks and their
 store thresholds, the fp8 formats and the numeric constants of every codec come from this
-header, which is written from :mod:`tqexport.kvquant` at build time (and so cannot drift from
-the reference codecs). A new dtype name over an existing mode needs no C++ edit; a new mode's
-encode and decode arithmetic is the one thing written by hand (``plugins/formats.cc`` and
-``plugins/decode.h``, each a ``switch`` on ``Mode``).
+header, written from :mod:`tqexport.kvquant` at build time (so it cannot drift from the
+reference codecs), and so do the op and node attribute names (:mod:`tqexport.ops.attributes`).
+A new dtype name over an existing mode needs no C++ edit; a new mode's encode and decode
+arithmetic is the one thing written by hand (``plugins/formats.cc`` and ``plugins/decode.h``,
+each a ``switch`` on ``Mode``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from tqexport.kvquant import bits, codecs, packing, turboquant
 from tqexport.kvquant.modes import KV_CACHE_DTYPES, KVQuantMode
+from tqexport.ops import attributes
 
 #: head sizes the native kernels serve: multiples of 8 up to the largest head size any codec
 #: takes (every real model; another size runs the function bodies)
@@ -150,7 +152,9 @@ def _tensor_lines() -> list[str]:
             tensors.append(f'    {{"{role}", Elem::{e}, {flags}, {wname}}},')
     for w, wname in widths.items():
         lines.append(f"inline constexpr int {wname}[] = {{{', '.join(map(str, w))}}};")
-    lines += ["inline constexpr TensorEntry kTensors[] = {", *tensors, "};", ""]
+    lines += ["inline constexpr TensorEntry kTensors[] = {", *tensors, "};"]
+    most = max(count for _, count in spans)
+    lines += [f"inline constexpr int kMaxCacheTensors = {most};  // of any dtype", ""]
     lines += [
         "// a dtype: its mode, fp8 format (nullptr: none) and tensors kTensors[first, +count)",
         "struct DtypeEntry { const char* name; Mode mode; const Fp8* fp8; int first; int count; };",
@@ -160,6 +164,21 @@ def _tensor_lines() -> list[str]:
         ptr = fp8.get(d.element, "nullptr")
         lines.append(f'    {{"{d.name}", Mode::{d.mode.name}, {ptr}, {first}, {count}}},')
     return [*lines, "};", ""]
+
+
+def _node_lines() -> list[str]:
+    """The op domain, op names and node attribute names, each a constant of its own name."""
+    names = [*attributes.CACHE_ATTRS, *attributes.ATTENTION_ATTRS, *attributes.SEGMENT_ATTRS,
+             *attributes.NODE_ATTRS]  # fmt: skip
+    return [
+        f'inline constexpr char kDomain[] = "{attributes.DOMAIN}";',
+        f'inline constexpr char kCacheWrite[] = "{attributes.CACHE_WRITE}";',
+        f'inline constexpr char kPagedAttention[] = "{attributes.PAGED_ATTENTION}";',
+        "namespace attr {",
+        *(f'inline constexpr char {n}[] = "{n}";' for n in names),
+        "}  // namespace attr",
+        "",
+    ]
 
 
 def render() -> str:
@@ -246,6 +265,7 @@ def render() -> str:
         f"inline constexpr int kMaxHeadSize = {codecs.MAX_HEAD_SIZE};",
         "",
         *_tensor_lines(),
+        *_node_lines(),
         "}  // namespace tqx::gen",
         "",
     ]
