@@ -296,7 +296,7 @@ struct ValueRuns {
 // fp32 caches are read in place (a row per key, no copy into the tile)
 template <Mode M>
 inline const float* cache_row(const Format& f, const CacheView& c, int i, int64_t th) {
-  return M == Mode::NONE && f.storage == Elem::F32
+  return M == Mode::NONE && f.storage == Elem::float32
              ? reinterpret_cast<const float*>(c.data[i]) + th * f.head_size
              : nullptr;
 }
@@ -326,7 +326,7 @@ struct Scratch {
 // Asks for the cache lines of `heads` adjacent (token, head)s from `th` ahead of their use
 // (blocks lie anywhere in memory: the hardware prefetcher stops at each block's end).
 inline void prefetch_slots(const CacheView& c, int64_t th, int64_t heads) {
-  for (int i = 0; i < 6 && c.data[i]; ++i) {
+  for (int i = 0; i < gen::kMaxCacheTensors && c.data[i]; ++i) {
     const int64_t slot = int64_t(c.width[i]) * c.elem[i], bytes = slot * heads;
     const uint8_t* a = c.data[i] + th * slot;
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(a + o);

@@ -166,7 +166,7 @@ inline float decode_key(const Format& f, const CacheView& c, int64_t th, float* 
   const int d = f.head_size;
   switch (M) {
     case Mode::NONE:
-      if (f.storage == Elem::F32) {
+      if (f.storage == Elem::float32) {
         std::memcpy(out, c.data[0] + th * d * 4, d * 4);
       } else {
         for (int i = 0; i < d; ++i) out[i] = load_elem(c.data[0] + th * d * 2, f.storage, i);
@@ -174,7 +174,7 @@ inline float decode_key(const Format& f, const CacheView& c, int64_t th, float* 
       return 1.0f;
     case Mode::FP8_PER_TENSOR: {
       const uint8_t* b = c.data[0] + th * d;
-      if (f.e5m2) {
+      if (f.fp8 != &gen::kE4M3Format) {
         for (int i = 0; i < d; ++i) out[i] = f.k_table[b[i]];
       } else {
         for (int i = 0; i < d; ++i) out[i] = e4m3_value(b[i]) * f.k_scale;
@@ -272,7 +272,7 @@ inline void decode_value(const Format& f, const CacheView& c, int64_t th, float*
   const int d = f.head_size;
   switch (M) {
     case Mode::NONE:
-      if (f.storage == Elem::F32) {
+      if (f.storage == Elem::float32) {
         std::memcpy(out, c.data[1] + th * d * 4, d * 4);
       } else {
         for (int i = 0; i < d; ++i) out[i] = load_elem(c.data[1] + th * d * 2, f.storage, i);
@@ -280,7 +280,7 @@ inline void decode_value(const Format& f, const CacheView& c, int64_t th, float*
       return;
     case Mode::FP8_PER_TENSOR: {
       const uint8_t* b = c.data[1] + th * d;
-      if (f.e5m2) {
+      if (f.fp8 != &gen::kE4M3Format) {
         for (int i = 0; i < d; ++i) out[i] = f.v_table[b[i]];
       } else {
         for (int i = 0; i < d; ++i) out[i] = e4m3_value(b[i]) * f.v_scale;

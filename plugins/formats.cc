@@ -13,28 +13,15 @@ const gen::Codebook* find_book(int head_size, int bits) {
   return nullptr;
 }
 
-int packed_bytes(int count, int bits) { return (count * bits + 7) / 8; }
-
+// tqexport.kvquant.packing for every code width: code i in bits [bits * i, bits * (i + 1)) of
+// a little-endian bit stream (the header's generator checks packing.py lays codes out so)
 void pack(const uint8_t* codes, int n, int bits, uint8_t* out) {
-  if (bits == 4) {
-    for (int i = 0; i < n / 2; ++i) out[i] = codes[2 * i] | (codes[2 * i + 1] << 4);
-    if (n % 2) out[n / 2] = codes[n - 1];
-  } else if (bits == 2) {
-    for (int i = 0; i < (n + 3) / 4; ++i) {
-      uint8_t b = 0;
-      for (int j = 0; j < 4 && 4 * i + j < n; ++j) b |= codes[4 * i + j] << (2 * j);
-      out[i] = b;
-    }
-  } else if (bits == 3) {
-    for (int g = 0; g < n / 8; ++g) {
-      uint32_t w = 0;
-      for (int j = 0; j < 8; ++j) w |= static_cast<uint32_t>(codes[8 * g + j]) << (3 * j);
-      out[3 * g] = w & 0xff;
-      out[3 * g + 1] = (w >> 8) & 0xff;
-      out[3 * g + 2] = (w >> 16) & 0xff;
-    }
-  } else {
-    std::memcpy(out, codes, n);
+  std::memset(out, 0, (n * bits + 7) / 8);
+  for (int i = 0; i < n; ++i) {
+    const int at = i * bits;
+    for (uint32_t word = static_cast<uint32_t>(codes[i]) << (at % 8), b = at / 8; word;
+         word >>= 8, ++b)
+      out[b] |= static_cast<uint8_t>(word & 0xff);
   }
 }
 
@@ -117,8 +104,8 @@ void uniform_values(const float* v, int n, int bits, uint8_t* codes, float& scal
 
 }  // namespace
 
-std::string resolve_format(Format& f, const std::string& name, const std::string& model_dtype,
-                           int d, float k_scale, float v_scale) {
+std::string resolve_format(Format& f, const std::string& name, Elem model, int d, float k_scale,
+                           float v_scale) {
   const gen::DtypeEntry* entry = nullptr;
   for (const auto& e : gen::kDtypes)
     if (name == e.name) entry = &e;
@@ -129,44 +116,27 @@ std::string resolve_format(Format& f, const std::string& name, const std::string
   f.head_size = d;
   f.k_scale = k_scale;
   f.v_scale = v_scale;
-  const std::string elem = entry->element;
-  auto storage_of = [](const std::string& s, Elem& out) {
-    if (s == "float32") out = Elem::F32;
-    else if (s == "float16") out = Elem::F16;
-    else if (s == "bfloat16") out = Elem::BF16;
-    else return false;
-    return true;
-  };
+  const int size_index = d / 8 - 1;  // in [0, kNativeHeadSizes): d checked above
+  f.tensors.clear();
+  for (int i = entry->first; i < entry->first + entry->count; ++i) {
+    const gen::TensorEntry& t = gen::kTensors[i];
+    const int width = t.width[size_index];
+    if (width == 0)
+      return name + " has no native kernel for head_size " + std::to_string(d);
+    f.tensors.push_back({t.role, t.model_elem ? model : t.elem, width, t.scalar});
+  }
   switch (f.mode) {
     case Mode::NONE:
-      if (!storage_of(elem == "model" ? model_dtype : elem, f.storage))
-        return "unknown model_dtype '" + model_dtype + "'";
-      f.tensors = {{"k", f.storage, d}, {"v", f.storage, d}};
+      f.storage = f.tensors[0].elem;
       break;
     case Mode::FP8_PER_TENSOR:
-      f.e5m2 = elem == "float8_e5m2";
-      f.fp8_table = f.e5m2 ? gen::kE5M2 : gen::kE4M3;
+      if (!entry->fp8) return name + " has no fp8 format";
+      f.fp8 = entry->fp8;
       for (int b = 0; b < 256; ++b) {
-        f.k_table[b] = f.fp8_table[b] * k_scale;
-        f.v_table[b] = f.fp8_table[b] * v_scale;
+        f.k_table[b] = f.fp8->table[b] * k_scale;
+        f.v_table[b] = f.fp8->table[b] * v_scale;
       }
-      f.tensors = {{"k", Elem::U8, d}, {"v", Elem::U8, d}};
       break;
-    case Mode::INT8_PER_TOKEN_HEAD:
-    case Mode::FP8_PER_TOKEN_HEAD:
-      f.tensors = {{"k", Elem::U8, d}, {"v", Elem::U8, d}, {"k_scale", Elem::F32, 1, true},
-                   {"v_scale", Elem::F32, 1, true}};
-      break;
-    case Mode::INT4_PER_TOKEN_HEAD:
-      f.tensors = {{"k", Elem::U8, d / 2}, {"v", Elem::U8, d / 2}, {"k_scale", Elem::F32, 1, true},
-                   {"v_scale", Elem::F32, 1, true}, {"k_zero", Elem::U8, 1, true},
-                   {"v_zero", Elem::U8, 1, true}};
-      break;
-    case Mode::NVFP4: {
-      const int w = d / 2 + d / gen::kNvfp4Block;
-      f.tensors = {{"k", Elem::U8, w}, {"v", Elem::U8, w}};
-      break;
-    }
     case Mode::TURBOQUANT: {
       for (const auto& p : gen::kPresets)
         if (name == p.name) f.preset = &p;
@@ -178,9 +148,10 @@ std::string resolve_format(Format& f, const std::string& name, const std::string
         return name + " has no key codebook for head_size " + std::to_string(d);
       if (f.preset->value_mse && !(f.value_book = find_book(d, f.preset->value_bits)))
         return name + " has no value codebook for head_size " + std::to_string(d);
-      f.tensors = {{"kv", Elem::U8, f.layout->slot_size_aligned}};
       break;
     }
+    default:
+      break;
   }
   return "";
 }
@@ -199,12 +170,10 @@ void encode(const Format& f, const float* k, const float* v, uint8_t* const* t, 
       break;
     }
     case Mode::FP8_PER_TENSOR: {
-      const int bias = f.e5m2 ? gen::kE5M2Bias : gen::kE4M3Bias;
-      const int mant = f.e5m2 ? gen::kE5M2Mantissa : gen::kE4M3Mantissa;
-      const float mx = f.e5m2 ? gen::kE5M2Max : gen::kE4M3Max;
+      const gen::Fp8& fp8 = *f.fp8;
       for (int i = 0; i < d; ++i) {
-        t[0][th * d + i] = fp8_bits(k[i] / f.k_scale, bias, mant, mx);
-        t[1][th * d + i] = fp8_bits(v[i] / f.v_scale, bias, mant, mx);
+        t[0][th * d + i] = fp8_bits(k[i] / f.k_scale, fp8.bias, fp8.mantissa, fp8.max);
+        t[1][th * d + i] = fp8_bits(v[i] / f.v_scale, fp8.bias, fp8.mantissa, fp8.max);
       }
       break;
     }

@@ -13,26 +13,25 @@
 
 namespace tqx {
 
+using gen::Elem;
 using gen::Mode;
 
-enum class Elem { F32, F16, BF16, U8 };
-
-inline int elem_size(Elem e) { return e == Elem::F32 ? 4 : (e == Elem::U8 ? 1 : 2); }
+inline int elem_size(Elem e) { return gen::kElemSize[static_cast<int>(e)]; }
 
 inline float load_elem(const void* p, Elem e, int64_t i) {
   switch (e) {
-    case Elem::F32: return static_cast<const float*>(p)[i];
-    case Elem::F16: return half_value(static_cast<const uint16_t*>(p)[i]);
-    case Elem::BF16: return bf16_value(static_cast<const uint16_t*>(p)[i]);
+    case Elem::float32: return static_cast<const float*>(p)[i];
+    case Elem::float16: return half_value(static_cast<const uint16_t*>(p)[i]);
+    case Elem::bfloat16: return bf16_value(static_cast<const uint16_t*>(p)[i]);
     default: return static_cast<const uint8_t*>(p)[i];
   }
 }
 
 inline void store_elem(void* p, Elem e, int64_t i, float x) {
   switch (e) {
-    case Elem::F32: static_cast<float*>(p)[i] = x; break;
-    case Elem::F16: static_cast<uint16_t*>(p)[i] = half_bits(x); break;
-    case Elem::BF16: static_cast<uint16_t*>(p)[i] = bf16_bits(x); break;
+    case Elem::float32: static_cast<float*>(p)[i] = x; break;
+    case Elem::float16: static_cast<uint16_t*>(p)[i] = half_bits(x); break;
+    case Elem::bfloat16: static_cast<uint16_t*>(p)[i] = bf16_bits(x); break;
     default: static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(x); break;
   }
 }
@@ -47,19 +46,17 @@ struct TensorFmt {
 
 // A cache's tensors for one step: base pointers and each tensor's values per (token, head).
 struct CacheView {
-  const uint8_t* data[6] = {};
-  int width[6] = {};
-  int elem[6] = {};  // bytes per value
+  const uint8_t* data[gen::kMaxCacheTensors] = {};
+  int width[gen::kMaxCacheTensors] = {};
+  int elem[gen::kMaxCacheTensors] = {};  // bytes per value
 };
 
 struct Format {
   Mode mode = Mode::NONE;
   int head_size = 0;
-  Elem storage = Elem::F32;  // unquantized caches
+  Elem storage = Elem::float32;  // unquantized caches
   float k_scale = 1.0f, v_scale = 1.0f;
-  // fp8 (per tensor, per token-head, nvfp4 scales): e4m3 unless e5m2
-  bool e5m2 = false;
-  const float* fp8_table = gen::kE4M3;
+  const gen::Fp8* fp8 = &gen::kE4M3Format;  // fp8 per tensor's format
   float k_table[256], v_table[256];  // fp8 per tensor: decode with the scale applied
   // TurboQuant
   const gen::PresetEntry* preset = nullptr;
@@ -109,10 +106,9 @@ inline void from_parts(const float* x, float* out, int d) {
   }
 }
 
-// Parse a node's cache description; empty string on success, else what is wrong.
-std::string resolve_format(Format& f, const std::string& kv_cache_dtype,
-                           const std::string& model_dtype, int head_size, float k_scale,
-                           float v_scale);
+// A node's cache format from the generated tables; empty string on success, else what is wrong.
+std::string resolve_format(Format& f, const std::string& kv_cache_dtype, Elem model,
+                           int head_size, float k_scale, float v_scale);
 
 // Encode one (token, head): k, v [D] fp32 into the cache tensors at flat index `th`
 // ((block * block_size + offset) * kv_heads + head).

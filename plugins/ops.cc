@@ -27,7 +27,6 @@ namespace tqx {
 namespace {
 
 const OrtApi* g_api = nullptr;
-constexpr const char* kDomain = "tqexport";
 
 struct Error {
   std::string message;
@@ -74,34 +73,37 @@ struct CacheAttrs {
   int64_t kv_heads = 0, head_size = 0, block_size = 0, layer = -1;
   float k_scale = 1.0f, v_scale = 1.0f;
   Format format;
-  Elem model = Elem::F32;
+  Elem model = Elem::float32;
 };
 
 std::string read_cache_attrs(const OrtKernelInfo* info, CacheAttrs& a) {
-  attr_int(info, "layer", a.layer);
-  if (!attr_string(info, "kv_cache_dtype", a.kv_cache_dtype)) return "missing kv_cache_dtype";
-  if (!attr_string(info, "model_dtype", a.model_dtype)) return "missing model_dtype";
-  if (!attr_int(info, "num_kv_heads", a.kv_heads) || a.kv_heads < 1)
+  attr_int(info, gen::attr::layer, a.layer);
+  if (!attr_string(info, gen::attr::kv_cache_dtype, a.kv_cache_dtype))
+    return "missing kv_cache_dtype";
+  if (!attr_string(info, gen::attr::model_dtype, a.model_dtype)) return "missing model_dtype";
+  if (!attr_int(info, gen::attr::num_kv_heads, a.kv_heads) || a.kv_heads < 1)
     return "missing or bad num_kv_heads";
-  if (!attr_int(info, "head_size", a.head_size)) return "missing head_size";
-  if (!attr_int(info, "block_size", a.block_size) || a.block_size < 1)
+  if (!attr_int(info, gen::attr::head_size, a.head_size)) return "missing head_size";
+  if (!attr_int(info, gen::attr::block_size, a.block_size) || a.block_size < 1)
     return "missing or bad block_size";
-  if (!attr_float(info, "k_scale", a.k_scale) || !attr_float(info, "v_scale", a.v_scale))
+  if (!attr_float(info, gen::attr::k_scale, a.k_scale) ||
+      !attr_float(info, gen::attr::v_scale, a.v_scale))
     return "missing k_scale/v_scale";
-  if (a.model_dtype == "float32") a.model = Elem::F32;
-  else if (a.model_dtype == "float16") a.model = Elem::F16;
-  else if (a.model_dtype == "bfloat16") a.model = Elem::BF16;
-  else return "unknown model_dtype '" + a.model_dtype + "'";
-  return resolve_format(a.format, a.kv_cache_dtype, a.model_dtype,
-                        static_cast<int>(a.head_size), a.k_scale, a.v_scale);
+  const gen::ModelDtype* model = nullptr;
+  for (const auto& m : gen::kModelDtypes)
+    if (a.model_dtype == m.name) model = &m;
+  if (!model) return "unknown model_dtype '" + a.model_dtype + "'";
+  a.model = model->elem;
+  return resolve_format(a.format, a.kv_cache_dtype, a.model, static_cast<int>(a.head_size),
+                        a.k_scale, a.v_scale);
 }
 
 // -- tensors ----------------------------------------------------------------------------------
 ONNXTensorElementDataType onnx_type(Elem e) {
   switch (e) {
-    case Elem::F32: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-    case Elem::F16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-    case Elem::BF16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
+    case Elem::float32: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    case Elem::float16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    case Elem::bfloat16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
     default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
   }
 }
@@ -219,7 +221,7 @@ std::vector<int64_t> widen(const Tensor& t) {
 
 std::vector<float> to_float(const void* data, Elem e, int64_t n) {
   std::vector<float> out(n);
-  if (e == Elem::F32) {
+  if (e == Elem::float32) {
     std::memcpy(out.data(), data, n * 4);
   } else {
     for (int64_t i = 0; i < n; ++i) out[i] = load_elem(data, e, i);
@@ -258,9 +260,9 @@ struct CacheWriteKernel {
       compute(ctx);
       return nullptr;
     } catch (const Error& e) {
-      return status("CacheWrite", a.layer, e.message);
+      return status(gen::kCacheWrite, a.layer, e.message);
     } catch (const std::exception& e) {
-      return status("CacheWrite", a.layer, e.what());
+      return status(gen::kCacheWrite, a.layer, e.what());
     }
   }
 
@@ -331,9 +333,9 @@ struct PagedAttentionKernel {
       compute(ctx);
       return nullptr;
     } catch (const Error& e) {
-      return status("PagedAttention", a.layer, e.message);
+      return status(gen::kPagedAttention, a.layer, e.message);
     } catch (const std::exception& e) {
-      return status("PagedAttention", a.layer, e.what());
+      return status(gen::kPagedAttention, a.layer, e.what());
     }
   }
 
@@ -409,7 +411,7 @@ struct PagedAttentionKernel {
     void* out_data = output(ctx, 0, dims);
     const int64_t numel = tokens * num_heads * a.head_size;
     std::vector<float> qf, of;
-    if (a.model == Elem::F32) {
+    if (a.model == Elem::float32) {
       s.q = static_cast<const float*>(q.data);
       s.out = static_cast<float*>(out_data);
     } else {
@@ -436,7 +438,7 @@ struct PagedAttentionKernel {
     paged_attention(s, attention_kernel().run, [&](size_t total, const std::function<void(size_t)>& fn) {
       parallel(ctx, total, fn);
     });
-    if (a.model != Elem::F32)
+    if (a.model != Elem::float32)
       for (int64_t i = 0; i < numel; ++i) store_elem(out_data, a.model, i, of[i]);
   }
 };
@@ -456,11 +458,11 @@ OrtStatusPtr create_kernel(const char* op, const OrtKernelInfo* info, void** ker
 struct CacheWriteOp : Ort::CustomOpBase<CacheWriteOp, CacheWriteKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
     return create_kernel<CacheWriteKernel>(
-        "CacheWrite", info, kernel, [](const OrtKernelInfo*, CacheWriteKernel&) {
+        gen::kCacheWrite, info, kernel, [](const OrtKernelInfo*, CacheWriteKernel&) {
           return std::string();
         });
   }
-  const char* GetName() const { return "CacheWrite"; }
+  const char* GetName() const { return gen::kCacheWrite; }
   size_t GetInputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetInputType(size_t) const {
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
@@ -482,28 +484,29 @@ struct CacheWriteOp : Ort::CustomOpBase<CacheWriteOp, CacheWriteKernel, true> {
 };
 
 std::string setup_attention(const OrtKernelInfo* info, PagedAttentionKernel& k) {
-  if (!attr_int(info, "num_heads", k.num_heads) || k.num_heads < 1 ||
+  if (!attr_int(info, gen::attr::num_heads, k.num_heads) || k.num_heads < 1 ||
       k.num_heads % k.a.kv_heads)
     return "num_heads must be a positive multiple of num_kv_heads";
-  if (!attr_float(info, "scale", k.scale)) return "missing scale";
-  attr_float(info, "softcap", k.softcap);
-  attr_int(info, "window", k.window);
-  attr_int(info, "recent_window", k.recent_window);
-  attr_int(info, "sink_tokens", k.sink_tokens);
+  if (!attr_float(info, gen::attr::scale, k.scale)) return "missing scale";
+  attr_float(info, gen::attr::softcap, k.softcap);
+  attr_int(info, gen::attr::window, k.window);
+  attr_int(info, gen::attr::recent_window, k.recent_window);
+  attr_int(info, gen::attr::sink_tokens, k.sink_tokens);
   if (k.window < 0 || k.recent_window < 0 || k.sink_tokens < 0)
     return "window, recent_window and sink_tokens must be >= 0";
   if (k.sink_tokens && !k.recent_window) return "sink_tokens need a recent_window";
   if (k.recent_window)
-    return resolve_format(k.recent_format, "auto", k.a.model_dtype,
+    return resolve_format(k.recent_format, "auto", k.a.model,
                           static_cast<int>(k.a.head_size), 1.0f, 1.0f);
   return "";
 }
 
 struct PagedAttentionOp : Ort::CustomOpBase<PagedAttentionOp, PagedAttentionKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
-    return create_kernel<PagedAttentionKernel>("PagedAttention", info, kernel, setup_attention);
+    return create_kernel<PagedAttentionKernel>(gen::kPagedAttention, info, kernel,
+                                               setup_attention);
   }
-  const char* GetName() const { return "PagedAttention"; }
+  const char* GetName() const { return gen::kPagedAttention; }
   size_t GetInputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetInputType(size_t) const {
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
@@ -545,7 +548,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   tqx::g_api = api;
   Ort::InitApi(api);
   OrtCustomOpDomain* domain = nullptr;
-  if (OrtStatus* st = api->CreateCustomOpDomain(tqx::kDomain, &domain)) return st;
+  if (OrtStatus* st = api->CreateCustomOpDomain(tqx::gen::kDomain, &domain)) return st;
   if (OrtStatus* st = api->CustomOpDomain_Add(domain, &tqx::g_cache_write)) return st;
   if (OrtStatus* st = api->CustomOpDomain_Add(domain, &tqx::g_paged_attention)) return st;
   return api->AddCustomOpDomain(options, domain);

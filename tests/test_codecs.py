@@ -5,13 +5,15 @@ from hypothesis import strategies as st
 
 from tqexport.kvquant.bits import E4M3, E5M2, fp8_decode
 from tqexport.kvquant.codecs import (
+    CODECS,
     E2M1_VALUES,
     Fp8PerTensorCodec,
+    cache_tensors,
     e2m1_decode,
     e2m1_encode,
     make_codec,
 )
-from tqexport.kvquant.modes import kv_cache_dtype_names
+from tqexport.kvquant.modes import KVQuantMode, kv_cache_dtype_names
 
 
 def kv(n=64, heads=3, d=64, seed=0, spread=1.0):
@@ -148,3 +150,17 @@ def test_decode_is_idempotent_after_one_round_trip(name, heads, seed):
     k2, v2 = codec.decode(codec.encode(k1, v1))
     torch.testing.assert_close(v2, v1, atol=2e-2 * v1.abs().max().item() + 1e-6, rtol=0)
     torch.testing.assert_close(k2, k1, atol=2e-2 * k1.abs().max().item() + 1e-6, rtol=0)
+
+
+def test_every_quant_mode_names_its_codec():
+    assert set(CODECS) == set(KVQuantMode)
+
+
+def test_cache_tensors_are_the_codecs_tensors():
+    """cache_tensors answers without building a codec, and answers what the codec has."""
+    for name in kv_cache_dtype_names():
+        for d in (64, 128):
+            assert (
+                cache_tensors(name, d, "float16")
+                == make_codec(name, d, model_dtype="float16").tensors
+            )

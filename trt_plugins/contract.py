@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 
 from tqexport.errors import TQExportError
 from tqexport.kvquant.codecs import Codec, codec_for
-from tqexport.ops.attributes import CACHE_WRITE, DOMAIN, PAGED_ATTENTION
+from tqexport.ops.attributes import (
+    ATTENTION_ATTRS,
+    CACHE_ATTRS,
+    CACHE_WRITE,
+    DOMAIN,
+    NODE_ATTRS,
+    PAGED_ATTENTION,
+    SEGMENT_ATTRS,
+)
 from tqexport.ops.triton import cache_write as triton_write
 from tqexport.ops.triton import trt_attention
 from tqexport.ops.triton.common import supports
@@ -23,25 +31,16 @@ from tqexport.ops.triton.common import supports
 NAMESPACE = DOMAIN
 #: Attributes every plugin declares, with the Python type TensorRT hands them over as
 #: (``plugin_namespace`` only routes the node and is not declared).
-CACHE_WRITE_ATTRS: dict[str, type] = {
-    "kv_cache_dtype": str, "quant_mode": str, "model_dtype": str, "num_kv_heads": int,
-    "head_size": int, "block_size": int, "k_scale": float, "v_scale": float,
-    "variant": str, "layer": int,
-}  # fmt: skip
-PAGED_ATTENTION_ATTRS: dict[str, type] = {
-    **{k: v for k, v in CACHE_WRITE_ATTRS.items() if k not in ("variant", "layer")},
-    "num_heads": int, "scale": float, "softcap": float, "window": int,
-    "variant": str, "layer": int,
-}  # fmt: skip
+CACHE_WRITE_ATTRS: dict[str, type] = {**CACHE_ATTRS, **NODE_ATTRS}
+PAGED_ATTENTION_ATTRS: dict[str, type] = {**CACHE_ATTRS, **ATTENTION_ATTRS, **NODE_ATTRS}
 #: A PagedAttention node of a layer with a recent window also carries ``recent_window``.
 PAGED_ATTENTION_RECENT_ATTRS: dict[str, type] = {
-    **{k: v for k, v in PAGED_ATTENTION_ATTRS.items() if k not in ("variant", "layer")},
-    "recent_window": int, "variant": str, "layer": int,
+    **CACHE_ATTRS, **ATTENTION_ATTRS, "recent_window": SEGMENT_ATTRS["recent_window"],
+    **NODE_ATTRS,
 }  # fmt: skip
 #: ... and one whose recent cache also holds the sink tokens carries ``sink_tokens`` too.
 PAGED_ATTENTION_SINK_ATTRS: dict[str, type] = {
-    **{k: v for k, v in PAGED_ATTENTION_RECENT_ATTRS.items() if k not in ("variant", "layer")},
-    "sink_tokens": int, "variant": str, "layer": int,
+    **CACHE_ATTRS, **ATTENTION_ATTRS, **SEGMENT_ATTRS, **NODE_ATTRS
 }  # fmt: skip
 ATTRS = {CACHE_WRITE: CACHE_WRITE_ATTRS, PAGED_ATTENTION: PAGED_ATTENTION_ATTRS}
 #: attention plugins by what the layer's recent cache holds: nothing, a window, also sinks

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import operator
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -30,19 +31,20 @@ from tqexport.kvquant.bits import (
     int8_to_bytes,
     lookup,
 )
-from tqexport.kvquant.modes import KVQuantMode, parse_kv_cache_dtype
+from tqexport.kvquant.modes import KVCacheDType, KVQuantMode, parse_kv_cache_dtype
 from tqexport.kvquant.packing import pack_codes, unpack_codes
 
 MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: every element type a cache tensor or a model input has (quantized data is uint8 bytes)
+TENSOR_DTYPES = {**MODEL_DTYPES, "uint8": torch.uint8}
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """Map a dtype name used in specs to torch (model dtypes, uint8, fp32)."""
-    table = {**MODEL_DTYPES, "uint8": torch.uint8}
     try:
-        return table[name]
+        return TENSOR_DTYPES[name]
     except KeyError:
-        raise TQExportError(f"unknown dtype {name!r}; valid: {', '.join(table)}") from None
+        raise TQExportError(f"unknown dtype {name!r}; valid: {', '.join(TENSOR_DTYPES)}") from None
 
 
 @dataclass(frozen=True)
@@ -463,9 +465,14 @@ class TurboQuantCodec(Codec):
             self.scale_weights = fp16_field_weights(params, range(0, params, 4))
             self.zero_weights = fp16_field_weights(params, range(2, params, 4))
 
+    @staticmethod
+    def slot_tensors(layout: tq.SlotLayout) -> tuple[TensorFormat, ...]:
+        """The one uint8 tensor of slots, known from the layout alone."""
+        return (TensorFormat("kv", "uint8", layout.slot_size_aligned),)
+
     @property
     def tensors(self):
-        return (TensorFormat("kv", "uint8", self.layout.slot_size_aligned),)
+        return self.slot_tensors(self.layout)
 
     # -- MSE vectors (keys; values of the _mse presets) ---------------------------------------
     def _mse_codes(self, x: torch.Tensor, book: _Codebook):
@@ -699,22 +706,39 @@ def make_codec(
     """
     check_head_size(head_size)
     entry = parse_kv_cache_dtype(kv_cache_dtype)
-    mode = entry.mode
-    if mode is KVQuantMode.NONE:
-        storage = model_dtype if entry.element == "model" else entry.element
-        torch_dtype(storage)
-        return UnquantizedCodec(head_size, storage)
-    if mode is KVQuantMode.FP8_PER_TENSOR:
-        return Fp8PerTensorCodec(head_size, entry.element, k_scale, v_scale)
-    if mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD):
-        return SymmetricPerTokenHeadCodec(head_size, mode)
-    if mode is KVQuantMode.INT4_PER_TOKEN_HEAD:
-        return Int4PerTokenHeadCodec(head_size)
-    if mode is KVQuantMode.NVFP4:
-        return NvFp4Codec(head_size, k_scale, v_scale)
-    if mode is KVQuantMode.TURBOQUANT:
-        return TurboQuantCodec(kv_cache_dtype, head_size)
-    raise AssertionError(f"no codec for mode {mode}")  # every registry mode is handled above
+    return CODECS[entry.mode](entry, head_size, model_dtype, k_scale, v_scale)
+
+
+def _unquantized(entry: KVCacheDType, head_size: int, model_dtype: str, *_) -> Codec:
+    storage = model_dtype if entry.element == "model" else entry.element
+    torch_dtype(storage)  # an unknown model dtype: one line naming the valid ones
+    return UnquantizedCodec(head_size, storage)
+
+
+#: The codec of each quant mode, from (registry entry, head size, model dtype, k_scale, v_scale):
+#: a dtype name over an existing mode needs nothing here, a new mode one entry.
+CODECS: dict[KVQuantMode, Callable[..., Codec]] = {
+    KVQuantMode.NONE: _unquantized,
+    KVQuantMode.FP8_PER_TENSOR: lambda e, d, _, ks, vs: Fp8PerTensorCodec(d, e.element, ks, vs),
+    KVQuantMode.INT8_PER_TOKEN_HEAD: lambda e, d, *_: SymmetricPerTokenHeadCodec(d, e.mode),
+    KVQuantMode.FP8_PER_TOKEN_HEAD: lambda e, d, *_: SymmetricPerTokenHeadCodec(d, e.mode),
+    KVQuantMode.INT4_PER_TOKEN_HEAD: lambda e, d, *_: Int4PerTokenHeadCodec(d),
+    KVQuantMode.NVFP4: lambda e, d, _, ks, vs: NvFp4Codec(d, ks, vs),
+    KVQuantMode.TURBOQUANT: lambda e, d, *_: TurboQuantCodec(e.name, d),
+}
+
+
+def cache_tensors(
+    kv_cache_dtype: str, head_size: int, model_dtype: str = "bfloat16"
+) -> tuple[TensorFormat, ...]:
+    """The tensors of :func:`make_codec`'s codec, without building a TurboQuant codec's
+    rotation and codebook tables (the native header asks this of every head size)."""
+    check_head_size(head_size)
+    if parse_kv_cache_dtype(kv_cache_dtype).mode is KVQuantMode.TURBOQUANT:
+        preset = tq.preset(kv_cache_dtype)
+        tq.check_head_size(preset, head_size)
+        return TurboQuantCodec.slot_tensors(tq.SlotLayout(preset, head_size))
+    return make_codec(kv_cache_dtype, head_size, model_dtype=model_dtype).tensors
 
 
 def compression_vs_bf16(codec: Codec) -> float:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tqexport import validate
 from tqexport.errors import TQExportError
-from tqexport.kvquant.codecs import MAX_HEAD_SIZE
+from tqexport.kvquant.codecs import MAX_HEAD_SIZE, MODEL_DTYPES
 from tqexport.models import builtins
 from tqexport.models.description import AttentionLayer, ModelDescription
 from tqexport.safe_files import write_file
@@ -271,8 +271,8 @@ def describe_config(config, name: str, source: str = "", dtype: str | None = Non
         )
     config_dtype = getattr(cfg, "dtype", None)
     model_dtype = dtype or (str(config_dtype).removeprefix("torch.") if config_dtype else "float32")
-    if model_dtype not in ("float32", "float16", "bfloat16"):
-        raise TQExportError(f"{name}: model dtype {model_dtype!r} is not float32/float16/bfloat16")
+    if model_dtype not in MODEL_DTYPES:
+        raise TQExportError(f"{name}: model dtype {model_dtype!r} is not {'/'.join(MODEL_DTYPES)}")
     return ModelDescription(
         name=name,
         architecture=SUPPORTED_MODEL_TYPES[model_type],

@@ -1,9 +1,14 @@
 """The C++ header of the native kernels' constants, generated from the Python definitions.
 
-The ONNX Runtime kernels in ``plugins/`` never retype a format: the dtype registry, the
-TurboQuant presets and slot layouts, the codebooks and their store thresholds, the fp8 decode
-tables and the numeric constants of every codec come from this header, which is written from
-:mod:`tqexport.kvquant` at build time (and so cannot drift from the reference codecs).
+The ONNX Runtime kernels in ``plugins/`` never retype a format: the dtype registry, each
+format's cache tensors (roles, element types, widths per head size, from the codecs), the
+element and model dtypes, the TurboQuant presets and slot layouts, the codebooks and their
+store thresholds, the fp8 formats and the numeric constants of every codec come from this
+header, written from :mod:`tqexport.kvquant` at build time (so it cannot drift from the
+reference codecs), and so do the op and node attribute names (:mod:`tqexport.ops.attributes`).
+A new dtype name over an existing mode needs no C++ edit; a new mode's encode and decode
+arithmetic is the one thing written by hand (``plugins/formats.cc`` and ``plugins/decode.h``,
+each a ``switch`` on ``Mode``).
 """
 
 from __future__ import annotations
@@ -12,13 +17,16 @@ import struct
 
 import torch
 
-from tqexport.kvquant import bits, codecs, turboquant
+from tqexport.kvquant import bits, codecs, packing, turboquant
 from tqexport.kvquant.modes import KV_CACHE_DTYPES, KVQuantMode
+from tqexport.ops import attributes
 
 #: head sizes the native kernels serve: multiples of 8 up to the largest head size any codec
 #: takes (every real model; another size runs the function bodies)
 NATIVE_HEAD_SIZES = tuple(range(8, codecs.MAX_HEAD_SIZE + 1, 8))
 CODEBOOK_BITS = (2, 3, 4)
+#: the fp8 formats by their C++ names
+FP8_NAMES = ((bits.E4M3, "kE4M3"), (bits.E5M2, "kE5M2"))
 
 
 def _f(x: float) -> str:
@@ -35,7 +43,7 @@ def _floats(values) -> str:
     return "{" + ", ".join(_f(v) for v in values) + "}"
 
 
-def _layouts() -> list[tuple]:
+def _layouts() -> tuple[tuple, ...]:
     """(preset, head size, layout) for every pair the preset accepts among the native sizes."""
     out = []
     for name, p in turboquant.PRESETS.items():
@@ -45,20 +53,22 @@ def _layouts() -> list[tuple]:
             except Exception:  # noqa: BLE001 - a size the preset refuses is simply not listed
                 continue
             out.append((name, d, turboquant.SlotLayout(p, d)))
-    return out
+    return tuple(out)
 
 
 def _codebook_sizes() -> list[int]:
     return [d for d in NATIVE_HEAD_SIZES if d & (d - 1) == 0]
 
 
-def supported(kv_cache_dtype: str, head_size: int) -> bool:
-    """Whether the generated tables (so the native kernels) cover this layer's cache."""
+def supported(kv_cache_dtype: str, head_size: int, layouts: tuple | None = None) -> bool:
+    """Whether the generated tables (so the native kernels) cover this layer's cache
+    (``layouts``: :func:`_layouts`, when the caller already has them)."""
     entry = KV_CACHE_DTYPES.get(kv_cache_dtype)
     if entry is None or head_size not in NATIVE_HEAD_SIZES:
         return False
     if entry.mode is KVQuantMode.TURBOQUANT:
-        return any(n == kv_cache_dtype and d == head_size for n, d, _ in _layouts())
+        layouts = _layouts() if layouts is None else layouts
+        return any(n == kv_cache_dtype and d == head_size for n, d, _ in layouts)
     try:
         codecs.make_codec(kv_cache_dtype, head_size)
     except Exception:  # noqa: BLE001 - the codec refuses this size
@@ -66,8 +76,114 @@ def supported(kv_cache_dtype: str, head_size: int) -> bool:
     return True
 
 
+def _cache_tensors(name: str, layouts: tuple) -> list[tuple[str, str, bool, list[int]]]:
+    """(role, element, whether it is a per-token-head scalar, width per native head size, 0
+    where the format has no kernel) of each tensor of a dtype's codec; element "model" where it
+    follows the model's dtype."""
+    entry = KV_CACHE_DTYPES[name]
+    out = None
+    for i, d in enumerate(NATIVE_HEAD_SIZES):
+        if not supported(name, d, layouts):
+            continue
+        per_model = [codecs.cache_tensors(name, d, m) for m in codecs.MODEL_DTYPES]
+        tensors = per_model[0]
+        if out is None:
+            out = [(t.role, t.dtype, t.width is None, [0] * len(NATIVE_HEAD_SIZES))
+                   for t in tensors]  # fmt: skip
+        assert [(r, s) for r, _, s, _ in out] == [(t.role, t.width is None) for t in tensors]
+        for j, t in enumerate(tensors):
+            follows = len({ts[j].dtype for ts in per_model}) > 1
+            assert not follows or entry.element == "model", f"{name}: {t.role}'s element varies"
+            out[j] = (t.role, "model" if follows else t.dtype, out[j][2], out[j][3])
+            out[j][3][i] = t.width or 1
+    return out or []
+
+
+def _check_packing() -> None:
+    """``plugins/formats.cc`` packs every code width as one LSB-first bit stream: refuse to
+    generate the header for a packing.py whose layout is another."""
+    for b in packing.SUPPORTED_BITS:
+        n = 8 * b
+        codes = torch.arange(n) % (1 << b)
+        stream = sum(int(c) << (b * i) for i, c in enumerate(codes.tolist()))
+        got = packing.pack_codes(codes, b).tolist()
+        assert got == list(stream.to_bytes(packing.packed_bytes(n, b), "little")), b
+
+
+def _tensor_lines() -> list[str]:
+    """Elements, model dtypes, fp8 formats, and every dtype's cache tensors."""
+    elements = list(codecs.TENSOR_DTYPES)
+    lines = [
+        "enum class Elem : int { " + ", ".join(elements) + " };",
+        "inline constexpr int kElemSize[] = {"
+        + ", ".join(str(t.itemsize) for t in codecs.TENSOR_DTYPES.values())
+        + "};",
+        "struct ModelDtype { const char* name; Elem elem; };",
+        "inline constexpr ModelDtype kModelDtypes[] = {",
+        *(f'    {{"{m}", Elem::{m}}},' for m in codecs.MODEL_DTYPES),
+        "};",
+        "",
+        "struct Fp8 { int bias; int mantissa; float max; const float* table; };",
+    ]
+    for fmt, cname in FP8_NAMES:
+        lines.append(
+            f"inline constexpr Fp8 {cname}Format = {{{fmt.bias}, {fmt.mantissa_bits}, "
+            f"{_f(fmt.max_value)}, {cname}}};"
+        )
+    fp8 = {fmt.name: f"&{cname}Format" for fmt, cname in FP8_NAMES}
+    lines += [
+        "",
+        f"inline constexpr int kNativeHeadSizes = {len(NATIVE_HEAD_SIZES)};  // 8, 16, ...",
+        "// one cache tensor of a dtype: width[head_size / 8 - 1] values per (token, head), 0",
+        "// where the dtype has no kernel; a scalar is one value, shape [blocks, size, heads]",
+        "struct TensorEntry { const char* role; Elem elem; bool model_elem; bool scalar;"
+        " const int* width; };",
+    ]
+    widths: dict[tuple, str] = {}
+    tensors, spans, layouts = [], [], _layouts()
+    for name in KV_CACHE_DTYPES:
+        entries = _cache_tensors(name, layouts)
+        spans.append((len(tensors), len(entries)))
+        for role, elem, scalar, w in entries:
+            wname = widths.setdefault(tuple(w), f"kWidths{len(widths)}")
+            model = elem == "model"
+            e = elements[0] if model else elem
+            flags = f"{str(model).lower()}, {str(scalar).lower()}"
+            tensors.append(f'    {{"{role}", Elem::{e}, {flags}, {wname}}},')
+    for w, wname in widths.items():
+        lines.append(f"inline constexpr int {wname}[] = {{{', '.join(map(str, w))}}};")
+    lines += ["inline constexpr TensorEntry kTensors[] = {", *tensors, "};"]
+    most = max(count for _, count in spans)
+    lines += [f"inline constexpr int kMaxCacheTensors = {most};  // of any dtype", ""]
+    lines += [
+        "// a dtype: its mode, fp8 format (nullptr: none) and tensors kTensors[first, +count)",
+        "struct DtypeEntry { const char* name; Mode mode; const Fp8* fp8; int first; int count; };",
+        "inline constexpr DtypeEntry kDtypes[] = {",
+    ]
+    for d, (first, count) in zip(KV_CACHE_DTYPES.values(), spans, strict=True):
+        ptr = fp8.get(d.element, "nullptr")
+        lines.append(f'    {{"{d.name}", Mode::{d.mode.name}, {ptr}, {first}, {count}}},')
+    return [*lines, "};", ""]
+
+
+def _node_lines() -> list[str]:
+    """The op domain, op names and node attribute names, each a constant of its own name."""
+    names = [*attributes.CACHE_ATTRS, *attributes.ATTENTION_ATTRS, *attributes.SEGMENT_ATTRS,
+             *attributes.NODE_ATTRS]  # fmt: skip
+    return [
+        f'inline constexpr char kDomain[] = "{attributes.DOMAIN}";',
+        f'inline constexpr char kCacheWrite[] = "{attributes.CACHE_WRITE}";',
+        f'inline constexpr char kPagedAttention[] = "{attributes.PAGED_ATTENTION}";',
+        "namespace attr {",
+        *(f'inline constexpr char {n}[] = "{n}";' for n in names),
+        "}  // namespace attr",
+        "",
+    ]
+
+
 def render() -> str:
     """The header's text (deterministic: the library's source hash covers it)."""
+    _check_packing()
     lines = [
         "// Generated by tqexport.native.header from tqexport.kvquant: do not edit.",
         "#pragma once",
@@ -76,14 +192,6 @@ def render() -> str:
         "namespace tqx::gen {",
         "",
         "enum class Mode : int { " + ", ".join(m.name for m in KVQuantMode) + " };",
-        "",
-        "struct DtypeEntry { const char* name; Mode mode; const char* element; };",
-        "inline constexpr DtypeEntry kDtypes[] = {",
-    ]
-    for d in KV_CACHE_DTYPES.values():
-        lines.append(f'    {{"{d.name}", Mode::{d.mode.name}, "{d.element}"}},')
-    lines += [
-        "};",
         "",
         "struct PresetEntry {",
         "  const char* name; int key_bits; int value_bits; bool norm_correction;",
@@ -132,7 +240,7 @@ def render() -> str:
             books.append(f"    {{{d}, {b}, kCentroids_{d}_{b}, kThresholds_{d}_{b}}},")
     lines += ["inline constexpr Codebook kCodebooks[] = {", *books, "};", ""]
     every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    for fmt, cname in ((bits.E4M3, "kE4M3"), (bits.E5M2, "kE5M2")):
+    for fmt, cname in FP8_NAMES:
         lines.append(
             f"inline constexpr float {cname}[256] = "
             f"{_floats(bits.fp8_decode(every, fmt).tolist())};"
@@ -156,6 +264,8 @@ def render() -> str:
         f"inline constexpr uint8_t kE4M3Nan = {turboquant.E4M3_NAN:#x};",
         f"inline constexpr int kMaxHeadSize = {codecs.MAX_HEAD_SIZE};",
         "",
+        *_tensor_lines(),
+        *_node_lines(),
         "}  // namespace tqx::gen",
         "",
     ]

@@ -16,6 +16,21 @@ DOMAIN = "tqexport"
 CACHE_WRITE = "CacheWrite"
 PAGED_ATTENTION = "PagedAttention"
 
+#: Every attribute a node may carry, with the Python type of its value: the TensorRT plugins
+#: declare them from these tables and the native kernels read them by these names (generated
+#: header). A cache's (both ops):
+CACHE_ATTRS: dict[str, type] = {
+    "kv_cache_dtype": str, "quant_mode": str, "model_dtype": str, "num_kv_heads": int,
+    "head_size": int, "block_size": int, "k_scale": float, "v_scale": float,
+}  # fmt: skip
+#: a PagedAttention's own
+ATTENTION_ATTRS: dict[str, type] = {"num_heads": int, "scale": float, "softcap": float,
+                                    "window": int}  # fmt: skip
+#: a PagedAttention's with a recent window (and sink tokens in it), only then present
+SEGMENT_ATTRS: dict[str, type] = {"recent_window": int, "sink_tokens": int}
+#: every node's, after the static parameters
+NODE_ATTRS: dict[str, type] = {"variant": str, "layer": int}
+
 
 def cache_write_attrs(c: KVCacheSpec) -> dict:
     """Static parameters of a CacheWrite into a cache of spec ``c``."""
