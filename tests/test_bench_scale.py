@@ -113,15 +113,18 @@ def test_a_budget_of_less_than_two_blocks_holds_no_sequence(artifacts):
 def test_grid_runs_the_formats_whose_caches_fit_and_names_the_rest(gemma3, artifacts):
     auto = open_artifact(artifacts("tiny-gemma3", "auto")).spec
     specs = {"auto": auto, "fp8": gemma3.spec}
-    need = {n: filled_bytes(s, 4, 256 + 2, 256) for n, s in specs.items()}
+    need = {n: filled_bytes(s, 4, 256 + 2 + 1, 256) for n, s in specs.items()}
     points = grid_points(specs, [256], [1, 4], 2, need["auto"] + need["fp8"] - 1)
     assert [p["batch"] for p in points] == [1, 4]
     assert points[0]["run"] == ["auto", "fp8"] and points[0]["skipped"] == {}
     assert points[1]["run"] == ["auto"] and points[1]["skipped"] == {"fp8": need["fp8"]}
 
 
-def test_contexts_past_the_position_limit_are_left_out(gemma3):
-    assert scale_contexts(gemma3.spec, [64, 510, 511, 4096], 2) == ([64, 510], [511, 4096])
+def test_contexts_past_the_position_limit_are_left_out_those_at_it_shortened(gemma3):
+    assert scale_contexts(gemma3.spec, [64, 509, 510, 512, 513, 4096], 2) == (
+        [64, 509],
+        [513, 4096],
+    )
 
 
 def test_measure_reports_every_point_beside_its_bound(artifacts):
@@ -187,3 +190,13 @@ def test_a_long_prompt_is_admitted_one_chunk_per_step_beside_the_streams(artifac
     s = r["stall"]["fp8"]
     assert s["ratio"] == pytest.approx(s["admitting_p99_ms"] / s["quiet_p99_ms"])
     assert len(s["admitting_ms"]) == 5
+
+
+def test_a_decode_point_ending_on_a_block_boundary_has_room_for_every_step(artifacts):
+    """A warm-up step and 2 timed ones after 30 cached tokens write positions 30, 31 and 32:
+    the third is the first token of a third block of 16."""
+    from tqexport.bench.speed import decode_run
+
+    art = open_artifact(artifacts("tiny-llama", "fp8"))
+    ms, _ = decode_run({"fp8": art}, 30, 2, 2)
+    assert ms["fp8"] > 0

@@ -110,12 +110,15 @@ def capacity(
 
 
 def scale_contexts(spec: ModelSpec, contexts: list[int], steps: int) -> tuple[list[int], list]:
-    """(the contexts a model of ``spec`` reaches with ``steps`` decode steps after them, the
-    ones left out): its recorded position limit bounds them (none recorded: all kept)."""
+    """(the contexts measured, the ones left out): a context past the model's recorded
+    position limit is left out; one too close to it for a warm-up and ``steps`` decode steps is
+    measured where they fit (32768 on a 32k model: 32765 with 2 steps). No limit: all kept."""
     limit = spec.max_position_embeddings
     if limit is None:
         return contexts, []
-    return [c for c in contexts if c + steps <= limit], [c for c in contexts if c + steps > limit]
+    last = limit - steps - 1  # positions context .. context + steps are written
+    kept = [min(c, last) for c in contexts if c <= limit and last >= 1]
+    return list(dict.fromkeys(kept)), [c for c in contexts if c > limit]
 
 
 def grid_points(
@@ -129,7 +132,7 @@ def grid_points(
         for b in batches:
             run, skipped, used = [], {}, 0
             for label, spec in specs.items():
-                need = filled_bytes(spec, b, c + steps, c)
+                need = filled_bytes(spec, b, c + steps + 1, c)
                 if used + need <= limit:
                     run.append(label)
                     used += need
@@ -254,8 +257,7 @@ def plan_scale(
     if not kept:
         raise TQExportError(
             f"--contexts {contexts}: every context is over the model's position limit "
-            f"({spec.max_position_embeddings} tokens, {steps} decode steps after each); give "
-            "shorter ones"
+            f"({spec.max_position_embeddings} tokens); give shorter ones"
         )
 
     position_limit = spec.max_position_embeddings

@@ -142,7 +142,8 @@ def decode_run(
     backends, tables = {}, {}
     for label, art in arts.items():
         b = batch[label] if isinstance(batch, dict) else batch
-        counts, tables[label] = filled_tables(art.spec, b, context + steps, context)
+        # a warm-up step and ``steps`` timed ones write positions context .. context + steps
+        counts, tables[label] = filled_tables(art.spec, b, context + steps + 1, context)
         opts = {**(options or {}), **((step_options or {}).get(label) or {})}
         k = kernels[label] if isinstance(kernels, dict) else kernels
         backends[label] = OrtBackend(art, [n + extra_blocks for n in counts], threads,
