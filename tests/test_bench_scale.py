@@ -200,3 +200,12 @@ def test_a_decode_point_ending_on_a_block_boundary_has_room_for_every_step(artif
     art = open_artifact(artifacts("tiny-llama", "fp8"))
     ms, _ = decode_run({"fp8": art}, 30, 2, 2)
     assert ms["fp8"] > 0
+
+
+def test_small_chunks_keep_every_stream_resident_while_timed(artifacts):
+    """Chunks of 16 tokens (12 for the prompt beside 4 streams): 250 tokens take 21 steps, and
+    the caches are sized so that no stream is preempted meanwhile (that raises)."""
+    from tqexport.bench.prefill import decode_stall
+
+    art = open_artifact(artifacts("tiny-llama", "fp8"))
+    assert len(decode_stall(art, 250, 16)["admitting_ms"]) == 21

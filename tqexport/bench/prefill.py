@@ -12,6 +12,7 @@ import torch
 
 from tqexport import validate
 from tqexport.contract.artifact import Artifact
+from tqexport.errors import TQExportError
 from tqexport.runtime.executor import Executor
 from tqexport.runtime.sequence import SamplingParams
 
@@ -28,12 +29,23 @@ def prompt_ids(spec, tokens: int) -> list[int]:
     return torch.randint(0, vocab, (tokens,), generator=g).tolist()
 
 
+def _stream_tokens(tokens: int, chunk: int) -> int:
+    """Tokens a stream holds by the long prompt's first token: its prompt, one more each step
+    while the streams' prompts are prefilled, the quiet steps, one more each step the long
+    prompt takes (a chunk less the streams' own tokens), and a margin."""
+    room = max(1, chunk - STREAMS)
+    warm = -(-(STREAMS * STREAM_PROMPT) // room) + STREAMS
+    return STREAM_PROMPT + warm + QUIET_STEPS + -(-tokens // room) + 4
+
+
 def _executor(art: Artifact, tokens: int, chunk: int, threads: int | None) -> Executor:
-    """An executor whose caches hold the long prompt and the decoding streams at once."""
+    """An executor whose caches hold the long prompt and the decoding streams at once (so no
+    sequence is ever preempted while timed)."""
     bs = art.spec.block_size
-    blocks = 1 + -(-(tokens + 1) // bs) + STREAMS * -(-(STREAM_PROMPT + 4 * QUIET_STEPS) // bs)
-    return Executor(art, "ort", num_blocks=blocks + STREAMS, max_num_batched_tokens=chunk,
-                    max_num_seqs=STREAMS + 1, threads=threads)  # fmt: skip
+    streams = STREAMS * -(-_stream_tokens(tokens, chunk) // bs)
+    return Executor(art, "ort", num_blocks=1 + -(-(tokens + 1) // bs) + streams + STREAMS,
+                    max_num_batched_tokens=chunk, max_num_seqs=STREAMS + 1,
+                    threads=threads)  # fmt: skip
 
 
 def time_to_first_token(art: Artifact, tokens: int, chunk: int, threads=None) -> float:
@@ -51,11 +63,10 @@ def decode_stall(art: Artifact, tokens: int, chunk: int, threads=None) -> dict:
     ``admitting``, every step while a ``tokens``-token prompt is prefilled beside them, until its
     first token. Each step time is the delay between two tokens of every stream."""
     ex = _executor(art, tokens, chunk, threads)
-    long_steps = -(-tokens // chunk) + 4 * QUIET_STEPS
+    max_tokens = _stream_tokens(tokens, chunk) - STREAM_PROMPT
     for i in range(STREAMS):
         ids = prompt_ids(art.spec, STREAM_PROMPT + i)[-STREAM_PROMPT:]
-        ex.add_request(ids, SamplingParams(max_tokens=QUIET_STEPS + long_steps + 4,
-                                           ignore_stop=True))  # fmt: skip
+        ex.add_request(ids, SamplingParams(max_tokens=max_tokens, ignore_stop=True))
     streams = [*ex.scheduler.waiting]
     while any(s.num_cached < s.num_tokens - 1 for s in streams):
         ex.step()  # the streams' prompts, untimed
@@ -69,6 +80,8 @@ def decode_stall(art: Artifact, tokens: int, chunk: int, threads=None) -> dict:
         t0 = time.perf_counter()
         ex.step()
         admitting.append(1000 * (time.perf_counter() - t0))
+    if ex.scheduler.num_preemptions or any(s.finish_reason for s in streams):
+        raise TQExportError("a decoding stream was preempted or ended while timed")
     return {"quiet_ms": quiet, "admitting_ms": admitting}
 
 
