@@ -12,9 +12,7 @@ int4 tensors at graph boundaries, and this keeps one byte view for every consume
 from __future__ import annotations
 
 import operator
-from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -26,170 +24,58 @@ from tqexport.kvquant.bits import (
     FP8_FORMATS,
     fp8_decode,
     fp8_encode,
-    fp16_from_bytes,
     int8_from_bytes,
     int8_to_bytes,
     lookup,
 )
+from tqexport.kvquant.codec_base import (
+    _EVERY_BYTE,
+    _FP8_E4M3_TABLE,
+)
+from tqexport.kvquant.codec_base import (  # re-exported: every codec's consumers import here
+    MODEL_DTYPES as MODEL_DTYPES,
+)
+from tqexport.kvquant.codec_base import (
+    TENSOR_DTYPES as TENSOR_DTYPES,
+)
+from tqexport.kvquant.codec_base import (
+    AttentionOperands as AttentionOperands,
+)
+from tqexport.kvquant.codec_base import (
+    CacheTensors as CacheTensors,
+)
+from tqexport.kvquant.codec_base import (
+    Codec as Codec,
+)
+from tqexport.kvquant.codec_base import (
+    TensorFormat as TensorFormat,
+)
+from tqexport.kvquant.codec_base import (
+    fp16_field_weights as fp16_field_weights,
+)
+from tqexport.kvquant.codec_base import (
+    fp16_fields as fp16_fields,
+)
+from tqexport.kvquant.codec_base import (
+    nibbles as nibbles,
+)
+from tqexport.kvquant.codec_base import (
+    torch_dtype as torch_dtype,
+)
+from tqexport.kvquant.codec_base import (
+    triplet_codes as triplet_codes,
+)
 from tqexport.kvquant.modes import KVCacheDType, KVQuantMode, parse_kv_cache_dtype
 from tqexport.kvquant.packing import pack_codes, unpack_codes
-
-MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-#: every element type a cache tensor or a model input has (quantized data is uint8 bytes)
-TENSOR_DTYPES = {**MODEL_DTYPES, "uint8": torch.uint8}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """Map a dtype name used in specs to torch (model dtypes, uint8, fp32)."""
-    try:
-        return TENSOR_DTYPES[name]
-    except KeyError:
-        raise TQExportError(f"unknown dtype {name!r}; valid: {', '.join(TENSOR_DTYPES)}") from None
-
-
-@dataclass(frozen=True)
-class TensorFormat:
-    """One cache tensor a codec writes: ``width`` values per (token, head), or one if None."""
-
-    role: str
-    dtype: str
-    width: int | None
-
-    @property
-    def bytes_per_token_head(self) -> int:
-        return (self.width or 1) * torch_dtype(self.dtype).itemsize
-
-    def shape(self, *leading: int) -> tuple[int, ...]:
-        return (*leading,) if self.width is None else (*leading, self.width)
-
-
-CacheTensors = dict[str, torch.Tensor]
-
-
-def nibbles(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 ``[..., B]`` -> (low, high) 4-bit codes as float32 ``[..., B]`` each: the even and
-    the odd elements of :func:`~tqexport.kvquant.packing.unpack_codes` (exact arithmetic)."""
-    x = data.to(torch.float32)
-    high = torch.floor(x * 0.0625)
-    return x - high * 16, high
-
-
-def triplet_codes(data: torch.Tensor) -> list[torch.Tensor]:
-    """uint8 ``[..., 3n]`` 3-bit stream -> 8 float32 ``[..., n]`` tensors, tensor k holding
-    codes ``k, k + 8, k + 16, ...`` of :func:`~tqexport.kvquant.packing.unpack_codes` (each
-    24-bit word is exact in float32, and so are the power-of-two divisions)."""
-    t = data.to(torch.float32).unflatten(-1, (-1, 3))
-    word = t[..., 0] + t[..., 1] * 256 + t[..., 2] * 65536
-    out = []
-    for k in range(8):
-        shifted = torch.floor(word * 8.0**-k)
-        out.append(shifted - torch.floor(shifted * 0.125) * 8)
-    return out
-
-
-#: the 256 byte values, in order (lookup tables are a function applied to it)
-_EVERY_BYTE = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-_FP8_E4M3_TABLE = fp8_decode(_EVERY_BYTE, E4M3)
-#: fp16_from_bytes of every 16-bit pattern, indexed by ``low byte + 256 * high byte``
-_FP16_TABLE = fp16_from_bytes(
-    torch.stack([torch.arange(65536) % 256, torch.arange(65536) // 256], dim=-1).to(torch.uint8)
+from tqexport.kvquant.turboquant_codec import (
+    NC_EPS as NC_EPS,
 )
-
-
-def fp16_fields(b: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Little-endian fp16 fields of bytes ``[..., B]`` -> float32 ``[..., n]``, as
-    :func:`fp16_from_bytes` gives them but with one table lookup (the table is that function of
-    every pattern: identical values). ``weights`` ``[B, n]`` (:func:`fp16_field_weights`) say
-    where field j lies (1 at its low byte, 256 at its high byte); default: B = 2n fields in
-    order. The pattern is ``bytes @ weights``: exact, small integers in float32.
-    """
-    if weights is None:
-        weights = fp16_field_weights(b.shape[-1], range(0, b.shape[-1], 2))
-    pattern = b.to(torch.float32) @ weights
-    return lookup(_FP16_TABLE, pattern)
-
-
-def fp16_field_weights(width: int, offsets) -> torch.Tensor:
-    """``[width, n]`` weights for :func:`fp16_fields`: field j's bytes at ``offsets[j]``."""
-    offsets = list(offsets)
-    w = torch.zeros(width, len(offsets))
-    for j, at in enumerate(offsets):
-        w[at, j], w[at + 1, j] = 1.0, 256.0
-    return w
-
-
-@dataclass
-class AttentionOperands:
-    """Cached keys and values in the factored form attention consumes (decode side only).
-
-    Keys and values come as ``parts``: with n parts, part i holds the head's elements
-    ``i, i + n, i + 2n, ...`` (packed codes unpack into parts without interleaving them).
-    Scores are ``sum_i (q @ query_rotation)[..., i::n] @ keys[i]^T * key_scale`` (rotation and
-    scale optional), and the value of a key is ``values * value_scale + value_zero`` per group
-    of ``D / groups`` elements, so ``sum_t p_t v_t = (p * s) @ values + p @ z`` needs no
-    dequantized V. With ``value_rotation`` the values are in a rotated basis and the weighted
-    sum is rotated back once (``sum_t p_t v_t = ((p * s) @ values) @ value_rotation``). With
-    ``values_finite`` the values are finite whatever the bytes (codes): a masked key then
-    contributes nothing once its scale and zero are zeroed. Shapes: ``keys[i]``/``values[i]``
-    ``[..., D / n]``, ``key_scale`` ``[...]``, ``value_scale``/``value_zero`` ``[..., groups]``.
-    """
-
-    keys: tuple[torch.Tensor, ...]
-    values: tuple[torch.Tensor, ...]
-    key_scale: torch.Tensor | None = None
-    query_rotation: torch.Tensor | None = None
-    value_scale: torch.Tensor | None = None
-    value_zero: torch.Tensor | None = None
-    values_finite: bool = False
-    value_rotation: torch.Tensor | None = None
-
-    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) ``[..., D]`` these operands stand for (for tests; attention never builds
-        them)."""
-        keys = torch.stack(self.keys, dim=-1).flatten(-2)
-        if self.query_rotation is not None:
-            keys = keys @ self.query_rotation
-        if self.key_scale is not None:
-            keys = keys * self.key_scale.unsqueeze(-1)
-        values = torch.stack(self.values, dim=-1).flatten(-2)
-        if self.value_scale is not None:
-            values = values.unflatten(-1, (self.value_scale.shape[-1], -1))
-            values = values * self.value_scale.unsqueeze(-1)
-            if self.value_zero is not None:
-                values = values + self.value_zero.unsqueeze(-1)
-            values = values.flatten(-2)
-        if self.value_rotation is not None:
-            values = values @ self.value_rotation
-        return keys, values
-
-
-class Codec(ABC):
-    """Encode/decode of one kv-cache dtype for heads of size ``head_size``."""
-
-    head_size: int
-
-    @property
-    @abstractmethod
-    def tensors(self) -> tuple[TensorFormat, ...]: ...
-
-    @abstractmethod
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> CacheTensors:
-        """K, V ``[..., heads, D]`` -> cache tensors keyed by role."""
-
-    @abstractmethod
-    def decode(self, cache: CacheTensors) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cache tensors -> (K, V) as float32 ``[..., heads, D]``."""
-
-    def attention_operands(self, cache: CacheTensors) -> AttentionOperands:
-        """Cache tensors -> the :class:`AttentionOperands` attention reads (default: the
-        decoded K and V)."""
-        keys, values = self.decode(cache)
-        return AttentionOperands((keys,), (values,))
-
-    @property
-    def bytes_per_token_head(self) -> int:
-        """K and V bytes, metadata included, for one token of one kv head."""
-        return sum(t.bytes_per_token_head for t in self.tensors)
+from tqexport.kvquant.turboquant_codec import (
+    NORM_EPS as NORM_EPS,
+)
+from tqexport.kvquant.turboquant_codec import (
+    TurboQuantCodec as TurboQuantCodec,
+)
 
 
 class UnquantizedCodec(Codec):
@@ -434,241 +320,6 @@ class NvFp4Codec(Codec):
 
     def decode(self, cache):
         return self._dequant(cache["k"], self.k_scale), self._dequant(cache["v"], self.v_scale)
-
-
-NORM_EPS = 1e-8
-NC_EPS = 1e-16
-
-
-class TurboQuantCodec(Codec):
-    """TurboQuant slots, byte-compatible with vLLM (layout: :class:`tq.SlotLayout`)."""
-
-    def __init__(self, name: str, head_size: int):
-        self.preset = tq.preset(name)
-        tq.check_head_size(self.preset, head_size)
-        self.head_size = head_size
-        self.layout = tq.SlotLayout(self.preset, head_size)
-        # Constants are built here, eagerly: built lazily inside an export trace they would be
-        # captured as trace-time tensors.
-        if not self.preset.key_fp8 or self.preset.value_mse:
-            self.rotation = tq.hadamard(head_size)
-        if not self.preset.key_fp8:
-            self.key_book = _Codebook(head_size, self.preset.key_bits)
-        if self.preset.value_mse:
-            self.value_book = _Codebook(head_size, self.preset.value_bits)
-        # where the fp16 fields lie: a norm (key, MSE value) in its 2 bytes; uniform values'
-        # scales and zeros in their parameters (group g's pair at 4g)
-        lay = self.layout
-        self.norm_weights = fp16_field_weights(2, [0])
-        if not self.preset.value_mse:
-            params = lay.slot_size - lay.value_params_offset
-            self.scale_weights = fp16_field_weights(params, range(0, params, 4))
-            self.zero_weights = fp16_field_weights(params, range(2, params, 4))
-
-    @staticmethod
-    def slot_tensors(layout: tq.SlotLayout) -> tuple[TensorFormat, ...]:
-        """The one uint8 tensor of slots, known from the layout alone."""
-        return (TensorFormat("kv", "uint8", layout.slot_size_aligned),)
-
-    @property
-    def tensors(self):
-        return self.slot_tensors(self.layout)
-
-    # -- MSE vectors (keys; values of the _mse presets) ---------------------------------------
-    def _mse_codes(self, x: torch.Tensor, book: _Codebook):
-        """(centroid indices [..., D], fp32 norms [...]) of vectors x: the unit vector rotated,
-        then its coordinates against the codebook's thresholds."""
-        x = x.float()
-        norm = torch.linalg.vector_norm(x, dim=-1)
-        y = (x / (norm.unsqueeze(-1) + NORM_EPS)) @ self.rotation
-        return tq.centroid_index(y, book.thresholds), norm
-
-    def _mse_fields(self, x: torch.Tensor, book: _Codebook):
-        """(packed code bytes, fp32 norm ``[..., 1]`` stored as an fp16 field)."""
-        idx, norm = self._mse_codes(x, book)
-        return pack_codes(idx, book.bits), norm.unsqueeze(-1)
-
-    def _mse_parts(self, code_bytes: torch.Tensor, norm_bytes: torch.Tensor, book: _Codebook):
-        """Decode-side (centroid parts, scale) of packed MSE codes: part i holds elements
-        ``i::n`` in the rotated basis; scale = norm, divided by ``|c|`` (from the codes) when
-        the preset corrects norms."""
-        if book.byte_parts is not None:
-            index = code_bytes.to(torch.int64)
-            parts = tuple(lookup(t, index) for t in book.byte_parts)
-        else:
-            parts = tuple(lookup(book.centroids, c) for c in triplet_codes(code_bytes))
-        scale = fp16_fields(norm_bytes, self.norm_weights).squeeze(-1)
-        if self.preset.norm_correction:
-            if book.byte_norm2 is not None:  # <c, c> summed over bytes
-                sumsq = lookup(book.byte_norm2, index).sum(-1)
-            else:
-                sumsq = sum((c * c).sum(-1) for c in parts)
-            scale = scale / torch.sqrt(sumsq + NC_EPS)
-        return parts, scale
-
-    def _mse_decode(self, code_bytes: torch.Tensor, norm_bytes: torch.Tensor, book: _Codebook):
-        """(unit centroid vectors in the rotated basis, fp16 norms) (norm-corrected if the
-        preset says so)."""
-        idx = unpack_codes(code_bytes, book.bits, self.head_size)
-        c = book.centroids[idx.to(torch.int64)]
-        if self.preset.norm_correction:
-            c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + NC_EPS)
-        return c, fp16_from_bytes(norm_bytes)
-
-    # -- keys ------------------------------------------------------------------------------
-    def key_codes(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """MSE keys: (centroid indices [..., D], fp32 norms [...]) before packing."""
-        return self._mse_codes(k, self.key_book)
-
-    def _key_fields(self, k):
-        """(key code bytes, what follows them as fp16 fields ``[..., 0 or 1]``: the norm)."""
-        if self.preset.key_fp8:
-            return tq.fp8_key_bytes(k), k.new_zeros((*k.shape[:-1], 0), dtype=torch.float32)
-        return self._mse_fields(k, self.key_book)
-
-    def _norm_bytes(self, slots: torch.Tensor, at: int) -> torch.Tensor:
-        return slots[..., at : at + 2]
-
-    def key_parts(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Decode-side key state: (unit centroid vectors in the rotated basis, fp16 norms) for
-        MSE keys (norm-corrected if the preset says so), or (fp8 keys, None)."""
-        lay = self.layout
-        if self.preset.key_fp8:
-            return fp8_decode(slots[..., : lay.key_code_bytes], E4M3), None
-        norm = self._norm_bytes(slots, lay.key_norm_offset)
-        return self._mse_decode(slots[..., : lay.key_code_bytes], norm, self.key_book)
-
-    def decode_keys(self, slots: torch.Tensor) -> torch.Tensor:
-        """Reconstructed keys, k = norm * c @ H (MSE) or the fp8 key."""
-        c, norm = self.key_parts(slots)
-        if norm is None:
-            return c
-        return norm.unsqueeze(-1) * (c @ self.rotation)
-
-    def scores(self, q: torch.Tensor, slots: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-        """Decode-time scores of queries ``[..., Tq, D]`` against cached slots ``[..., Tk, S]``.
-
-        MSE keys: rotated query against centroids, ``norm * <q @ H, c> * scale``; fp8 keys:
-        ``<q, fp8(k)> * scale``. Returns ``[..., Tq, Tk]`` in float32.
-        """
-        c, norm = self.key_parts(slots)
-        q = q.float()
-        if norm is None:
-            return (q @ c.transpose(-1, -2)) * softmax_scale
-        q_rot = q @ self.rotation
-        return (q_rot @ c.transpose(-1, -2)) * norm.unsqueeze(-2) * softmax_scale
-
-    # -- values ----------------------------------------------------------------------------
-    def _value_fields(self, v):
-        """(value code bytes, what follows them as fp16 fields: the norm of MSE values, else
-        each group's (scale, zero) in slot order ``[..., 2 * groups]``)."""
-        if self.preset.value_mse:
-            return self._mse_fields(v, self.value_book)
-        groups = self.layout.value_groups
-        v = v.float().unflatten(-1, (groups, self.head_size // groups))
-        codes, scale, lo = tq.quantize_values(v, self.preset.value_bits)  # NaN/inf as vLLM
-        packed = pack_codes(codes.flatten(-2), self.preset.value_bits)
-        return packed, torch.stack([scale, lo], dim=-1).flatten(-2)
-
-    def decode_values(self, slots: torch.Tensor) -> torch.Tensor:
-        lay = self.layout
-        code_bytes = slots[..., lay.value_offset : lay.value_params_offset]
-        if self.preset.value_mse:
-            norm = self._norm_bytes(slots, lay.value_norm_offset)
-            c, norm = self._mse_decode(code_bytes, norm, self.value_book)
-            return norm.unsqueeze(-1) * (c @ self.rotation)
-        codes = unpack_codes(code_bytes, self.preset.value_bits, self.head_size)
-        params = slots[..., lay.value_params_offset : lay.slot_size].unflatten(-1, (-1, 4))
-        scale, zero = fp16_from_bytes(params[..., 0:2]), fp16_from_bytes(params[..., 2:4])
-        codes = codes.float().unflatten(-1, (lay.value_groups, -1))
-        return (codes * scale.unsqueeze(-1) + zero.unsqueeze(-1)).flatten(-2)
-
-    # -- slots -----------------------------------------------------------------------------
-    def encode(self, k, v, out: torch.Tensor | None = None):
-        """Slots ``[..., heads, slot_size_aligned]``. With ``out``, write bytes
-        ``[0, slot_size)`` into it and leave the padding bytes as they were."""
-        key_codes, key_halves = self._key_fields(k)
-        value_codes, value_halves = self._value_fields(v)
-        # every fp16 field of the slot in one conversion (a graph's CacheWrite is small tensors
-        # through many nodes: one conversion instead of three is a third of its nodes)
-        halves = tq.fp16_field(torch.cat([key_halves, value_halves], dim=-1))  # [..., n, 2]
-        split = key_halves.shape[-1]
-        body = torch.cat(
-            [key_codes, halves[..., :split, :].flatten(-2),
-             value_codes, halves[..., split:, :].flatten(-2)], dim=-1,
-        )  # fmt: skip
-        size = self.layout.slot_size
-        if out is None:
-            out = torch.zeros(*body.shape[:-1], self.layout.slot_size_aligned, dtype=torch.uint8)
-        out[..., :size] = body
-        return {"kv": out}
-
-    def decode(self, cache):
-        slots = cache["kv"]
-        return self.decode_keys(slots), self.decode_values(slots)
-
-    def attention_operands(self, cache):
-        """MSE keys stay in the rotated basis: the centroid vectors ``c`` (not normalized) with
-        ``key_scale = norm / sqrt(<c, c> + eps)`` (norm correction, from the codes) or
-        ``norm``, scored against ``q @ H``: ``<q, norm * c_nc @ H> = (q @ H) . c * key_scale``
-        (H is orthogonal and symmetric). fp8 keys are decoded. Uniform values stay codes, with
-        their per-group fp16 scale and zero; MSE values stay centroids in the rotated basis
-        with their scale, the weighted sum rotated back once. Packed codes unpack into parts
-        (4 for 2-bit, 2 for 4-bit: the codes of each byte position; 8 for 3-bit), never
-        interleaved."""
-        slots, lay = cache["kv"], self.layout
-        code_bytes = slots[..., : lay.key_code_bytes]
-        rotation = key_scale = None
-        if self.preset.key_fp8:
-            keys = (lookup(_FP8_E4M3_TABLE, code_bytes),)
-        else:
-            norm_bytes = self._norm_bytes(slots, lay.key_norm_offset)
-            keys, key_scale = self._mse_parts(code_bytes, norm_bytes, self.key_book)
-            rotation = self.rotation
-        value_bytes = slots[..., lay.value_offset : lay.value_params_offset]
-        if self.preset.value_mse:
-            norm_bytes = self._norm_bytes(slots, lay.value_norm_offset)
-            values, value_scale = self._mse_parts(value_bytes, norm_bytes, self.value_book)
-            return AttentionOperands(
-                keys,
-                values,
-                key_scale=key_scale,
-                query_rotation=rotation,
-                value_scale=value_scale.unsqueeze(-1),
-                values_finite=True,
-                value_rotation=self.rotation,
-            )
-        if self.preset.value_bits == 4:
-            values = nibbles(value_bytes)
-        else:
-            values = tuple(triplet_codes(value_bytes))
-        params = slots[..., lay.value_params_offset : lay.slot_size]
-        return AttentionOperands(
-            keys,
-            values,
-            key_scale=key_scale,
-            query_rotation=rotation,
-            value_scale=fp16_fields(params, self.scale_weights),
-            value_zero=fp16_fields(params, self.zero_weights),
-            values_finite=True,
-        )
-
-
-class _Codebook:
-    """One Lloyd-Max codebook of a TurboQuant codec (keys, or the values of ``_mse`` presets):
-    centroids, store thresholds, and for 2- and 4-bit codes the decode-side byte tables (byte
-    -> the centroid of each code it packs, bit for bit, and -> their sum of squares)."""
-
-    def __init__(self, head_size: int, bits: int):
-        self.bits = bits
-        self.centroids = tq.centroids(head_size, bits)
-        self.thresholds = tq.thresholds(self.centroids)
-        self.byte_parts = self.byte_norm2 = None
-        if bits in (2, 4):
-            per = 8 // bits
-            values = self.centroids[unpack_codes(_EVERY_BYTE[:, None], bits, per).long()]
-            self.byte_parts = tuple(values[:, i] for i in range(per))
-            self.byte_norm2 = (values * values).sum(-1)
 
 
 #: Largest head size any codec takes. Real models use at most 256 (Gemma 3); the bound keeps
