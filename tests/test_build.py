@@ -3,9 +3,13 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import onnx
 import pytest
+import torch
+
+import tqexport
 
 from tqexport.contract.artifact import open_artifact
 from tqexport.errors import TQExportError
@@ -43,6 +47,20 @@ def test_skip_sw_on_gemma_is_in_spec_and_graph(artifacts):
             assert inputs[f"cache.{la.index}.kv"] == onnx.TensorProto.UINT8
     meta = {p.key: p.value for p in graph.metadata_props}
     assert json.loads(meta["tqexport.spec"]) == json.loads((art.path / "tqexport.json").read_text())
+
+
+def test_graph_names_no_local_path(artifacts):
+    """No node of the graph or of its function bodies carries torch's stack trace, which names
+    the build machine's files: the same build gives the same bytes in any checkout."""
+    art = open_artifact(artifacts("tiny-llama", "fp8"))
+    model = onnx.load(str(art.model_file), load_external_data=False)
+    nodes = list(model.graph.node) + [n for f in model.functions for n in f.node]
+    keys = {p.key for n in nodes for p in n.metadata_props}
+    assert "pkg.torch.onnx.stack_trace" not in keys
+    assert "namespace" in keys  # the rest of torch's node metadata stays
+    data = art.model_file.read_bytes()
+    for local in (Path(tqexport.__file__).resolve().parents[1], Path(torch.__file__).parent):
+        assert str(local).encode() not in data
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma2"])

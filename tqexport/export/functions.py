@@ -29,6 +29,7 @@ from tqexport.kvquant.codecs import MODEL_DTYPES, codec_for, torch_dtype
 from tqexport.models.cache import cache_dir
 from tqexport.ops import reference
 from tqexport.ops.attributes import CACHE_WRITE, DOMAIN
+from tqexport.export.stack_traces import drop_stack_traces
 from tqexport.safe_files import write_file
 
 
@@ -129,7 +130,9 @@ def _export_body(op: str, attrs: dict, opset: int) -> onnx.ModelProto:
         program = torch.onnx.export(
             module, args, dynamic_shapes=(dyn,), dynamo=True, opset_version=opset, verbose=False
         )
-    return program.model_proto
+    model = program.model_proto  # a fresh proto on each read
+    drop_stack_traces(model)
+    return model
 
 
 @contextmanager

@@ -17,6 +17,7 @@ from tqexport.contract.files import set_spec_metadata
 from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
 from tqexport.export.functions import function_for, quiet_export
 from tqexport.export.fusable import divide_by_roots
+from tqexport.export.stack_traces import drop_stack_traces
 from tqexport.models.paged import PagedCausalLM
 from tqexport.ops.attributes import DOMAIN
 from tqexport.spec import DEFAULT_OPSET, ModelSpec, block_tables_name, slot_mapping_name
@@ -78,6 +79,7 @@ def export_model(hf_model: torch.nn.Module, spec: ModelSpec, opset: int = DEFAUL
             verbose=False,
         )
     model = program.model_proto
+    drop_stack_traces(model)
     divide_by_roots(model)  # RMS norms ORT fuses into one node each
     attach_functions(model, opset)
     set_spec_metadata(model, spec)
