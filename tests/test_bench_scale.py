@@ -209,3 +209,16 @@ def test_small_chunks_keep_every_stream_resident_while_timed(artifacts):
 
     art = open_artifact(artifacts("tiny-llama", "fp8"))
     assert len(decode_stall(art, 250, 16)["admitting_ms"]) == 21
+
+
+def test_the_long_prefill_threshold_spreads_the_prompt_over_more_steps(artifacts):
+    """With a threshold of 10, each step carries 10 of the prompt's tokens beside the 4 streams
+    (the budget of 64 would allow 60): 250 tokens take 25 steps, timed, nothing preempted."""
+    from tqexport.bench.prefill import decode_stall, measure_prefill
+
+    art = open_artifact(artifacts("tiny-llama", "fp8"))
+    assert len(decode_stall(art, 250, 64, threshold=10)["admitting_ms"]) == 25
+    r = measure_prefill({"fp8": art}, [100], 250, chunk=64, threshold=10)
+    s = r["stall"]["fp8"]
+    assert r["long_prefill_token_threshold"] == 10 and len(s["admitting_ms"]) == 25
+    assert s["long_prompt_seconds"] == pytest.approx(sum(s["admitting_ms"]) / 1000)

@@ -83,6 +83,38 @@ def test_schedule_chunks_prefill_under_the_token_budget_and_caps_sequences():
     assert list(sched.waiting) == [c]
 
 
+def test_long_prefill_threshold_caps_prompt_tokens_only_while_others_decode():
+    sched = Scheduler(BlockManager((FULL,), 64), 64, 8, long_prefill_token_threshold=5)
+    a, b, c = seq(0, 3, max_tokens=30), seq(1, 20), seq(2, 9)
+    sched.add(a)
+    first = sched.schedule()
+    assert first == [(a, 3)]  # nothing decodes yet: a's prompt runs whole
+    ran(first)
+    sched.add(b)
+    sched.add(c)
+    second = sched.schedule()
+    assert second == [(a, 1), (b, 5)]  # a decodes: 5 prompt tokens in all, c waits
+    ran(second)
+    third = sched.schedule()
+    assert third == [(a, 1), (b, 5)]
+    ran(third)
+    sched.abort(a)  # nothing decodes: b and c take whole chunks again
+    assert sched.schedule() == [(b, 10), (c, 9)]
+
+
+def test_long_prefill_threshold_shares_its_tokens_between_prompts():
+    sched = Scheduler(BlockManager((FULL,), 64), 64, 8, long_prefill_token_threshold=6)
+    a, b, c = seq(0, 1, max_tokens=30), seq(1, 4), seq(2, 7)
+    sched.add(a)
+    ran(sched.schedule())
+    sched.add(b)
+    sched.add(c)
+    batch = sched.schedule()
+    assert batch == [(a, 1), (b, 4), (c, 2)]
+    ran(batch)
+    assert sched.schedule() == [(a, 1), (b, 1), (c, 5)]  # b decodes now, c goes on
+
+
 def test_preemption_takes_the_newest_running_request_first():
     sched = Scheduler(BlockManager((FULL,), 4), 64, 8)  # 3 usable blocks
     a, b, c = seq(0, 4), seq(1, 4), seq(2, 4)
@@ -126,6 +158,9 @@ def test_engine_config_checks_and_defaults(artifacts):
         EngineConfig(max_num_seqs=0)
     with pytest.raises(TQExportError, match=r"--threads must be from 1 to \d+, got 0"):
         EngineConfig(threads=0)
+    with pytest.raises(TQExportError, match="--long-prefill-token-threshold must be from 0"):
+        EngineConfig(long_prefill_token_threshold=-1)
+    assert EngineConfig().long_prefill_token_threshold == 0
     art = open_artifact(artifacts("tiny-llama", "turboquant_4bit_nc"))
     assert EngineConfig(num_blocks=8).group_blocks(art) == [8]
 

@@ -355,6 +355,7 @@ def test_parse_memory_refuses_malformed_and_zero():
         (dict(backend="cuda"), "backend must be one of ort, torch, trt"),
         (dict(threads=0), r"threads must be from 1 to \d+, got 0"),
         (dict(max_model_len=0), "max_model_len must be >= 1"),
+        (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold must be from 0"),
     ],
 )
 def test_executor_validates_before_allocating(artifacts, kwargs, message):

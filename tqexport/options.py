@@ -149,4 +149,11 @@ EngineOptions = (
         typer.Option(help="ONNX Runtime intra-op threads, 1 to 4 per core (default: its own)."),
     ],
     Annotated[bool, typer.Option(help="Apply the model's chat template.")],
+    Annotated[
+        int,
+        typer.Option(
+            help="While sequences decode, prompt tokens per step at most (0: no cap), so a long "
+            "prompt delays their next token by a short chunk, not a whole step's budget."
+        ),
+    ],
 )

@@ -31,6 +31,8 @@ MAX_NUM_BLOCKS = 2**31 - 1
 MAX_NUM_SEQS = 2**16
 #: the serving defaults (vLLM's names): sequences and tokens per engine step
 DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_NUM_BATCHED_TOKENS = 64, 512
+#: prompt tokens per step while sequences decode (0: no cap; ``runtime.scheduler``)
+DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 0
 MAX_NUM_BATCHED_TOKENS = 2**20
 #: temperatures below this overflow ``logits / temperature`` in fp32; 0 means greedy
 MIN_TEMPERATURE = 1e-5
@@ -206,12 +208,15 @@ def serving(
     max_num_seqs=DEFAULT_MAX_NUM_SEQS,
     max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS,
     backend=None,
+    long_prefill_token_threshold=DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
 ) -> None:
     """The executor's sizes (``--num-blocks``, ``--max-num-seqs``, ...), before any allocation."""
     if num_blocks is not None:
         integer(num_blocks, "--num-blocks", 2, MAX_NUM_BLOCKS)
     integer(max_num_seqs, "--max-num-seqs", 1, MAX_NUM_SEQS)
     integer(max_num_batched_tokens, "--max-num-batched-tokens", 1, MAX_NUM_BATCHED_TOKENS)
+    integer(long_prefill_token_threshold, "--long-prefill-token-threshold", 0,
+            MAX_NUM_BATCHED_TOKENS)  # fmt: skip
     if backend is not None:
         choice(backend, "--backend", ("ort", "torch", "trt"))
 

@@ -29,23 +29,26 @@ def prompt_ids(spec, tokens: int) -> list[int]:
     return torch.randint(0, vocab, (tokens,), generator=g).tolist()
 
 
-def _stream_tokens(tokens: int, chunk: int) -> int:
+def _stream_tokens(tokens: int, chunk: int, threshold: int = 0) -> int:
     """Tokens a stream holds by the long prompt's first token: its prompt, one more each step
     while the streams' prompts are prefilled, the quiet steps, one more each step the long
-    prompt takes (a chunk less the streams' own tokens), and a margin."""
+    prompt takes (a chunk less the streams' own tokens, or the prefill threshold), and a
+    margin."""
     room = max(1, chunk - STREAMS)
     warm = -(-(STREAMS * STREAM_PROMPT) // room) + STREAMS
+    room = min(room, threshold or room)
     return STREAM_PROMPT + warm + QUIET_STEPS + -(-tokens // room) + 4
 
 
-def _executor(art: Artifact, tokens: int, chunk: int, threads: int | None) -> Executor:
+def _executor(art: Artifact, tokens: int, chunk: int, threads: int | None,
+              threshold: int = 0) -> Executor:  # fmt: skip
     """An executor whose caches hold the long prompt and the decoding streams at once (so no
-    sequence is ever preempted while timed)."""
+    sequence is ever preempted while timed); ``threshold``: its long-prefill token threshold."""
     bs = art.spec.block_size
-    streams = STREAMS * -(-_stream_tokens(tokens, chunk) // bs)
+    streams = STREAMS * -(-_stream_tokens(tokens, chunk, threshold) // bs)
     return Executor(art, "ort", num_blocks=1 + -(-(tokens + 1) // bs) + streams + STREAMS,
                     max_num_batched_tokens=chunk, max_num_seqs=STREAMS + 1,
-                    threads=threads)  # fmt: skip
+                    long_prefill_token_threshold=threshold, threads=threads)  # fmt: skip
 
 
 def time_to_first_token(art: Artifact, tokens: int, chunk: int, threads=None) -> float:
@@ -58,12 +61,13 @@ def time_to_first_token(art: Artifact, tokens: int, chunk: int, threads=None) ->
     return time.perf_counter() - t0
 
 
-def decode_stall(art: Artifact, tokens: int, chunk: int, threads=None) -> dict:
+def decode_stall(art: Artifact, tokens: int, chunk: int, threads=None, threshold: int = 0) -> dict:
     """Step times (ms) of :data:`STREAMS` decoding sequences: ``quiet``, decoding alone; then
     ``admitting``, every step while a ``tokens``-token prompt is prefilled beside them, until its
-    first token. Each step time is the delay between two tokens of every stream."""
-    ex = _executor(art, tokens, chunk, threads)
-    max_tokens = _stream_tokens(tokens, chunk) - STREAM_PROMPT
+    first token. Each step time is the delay between two tokens of every stream; ``threshold``:
+    the scheduler's long-prefill token threshold (0: whole chunks)."""
+    ex = _executor(art, tokens, chunk, threads, threshold)
+    max_tokens = _stream_tokens(tokens, chunk, threshold) - STREAM_PROMPT
     for i in range(STREAMS):
         ids = prompt_ids(art.spec, STREAM_PROMPT + i)[-STREAM_PROMPT:]
         ex.add_request(ids, SamplingParams(max_tokens=max_tokens, ignore_stop=True))
@@ -92,9 +96,11 @@ def p99(values: list[float]) -> float:
 
 def measure_prefill(arts: dict[str, Artifact], contexts: list[int], stall_tokens: int,
                     chunk: int = validate.DEFAULT_MAX_NUM_BATCHED_TOKENS, threads=None,
-                    progress=lambda what: None) -> dict:  # fmt: skip
+                    progress=lambda what: None,
+                    threshold: int = validate.DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD) -> dict:
     """Per context, every format's time to first token and prefill tokens/s; per format, the
-    streams' inter-token p99 with and without a ``stall_tokens`` prompt being admitted."""
+    streams' inter-token p99 with and without a ``stall_tokens`` prompt being admitted (under
+    the long-prefill token ``threshold``), and that prompt's time to its first token there."""
     from tqexport.bench.speed import load_average
 
     rows = []
@@ -108,12 +114,14 @@ def measure_prefill(arts: dict[str, Artifact], contexts: list[int], stall_tokens
     stall = {}
     for n, a in arts.items():
         progress(f"decode beside a {stall_tokens}-token prompt: {n}")
-        steps = decode_stall(a, stall_tokens, chunk, threads)
+        steps = decode_stall(a, stall_tokens, chunk, threads, threshold)
         stall[n] = {
             **steps,
             "quiet_p99_ms": p99(steps["quiet_ms"]),
             "admitting_p99_ms": p99(steps["admitting_ms"]),
             "ratio": p99(steps["admitting_ms"]) / p99(steps["quiet_ms"]),
+            "long_prompt_seconds": sum(steps["admitting_ms"]) / 1000,
         }
-    return {"chunk": chunk, "streams": STREAMS, "stall_tokens": stall_tokens, "prefill": rows,
+    return {"chunk": chunk, "streams": STREAMS, "stall_tokens": stall_tokens,
+            "long_prefill_token_threshold": threshold, "prefill": rows,
             "stall": stall}  # fmt: skip

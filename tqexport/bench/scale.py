@@ -234,11 +234,13 @@ def plan_scale(
     threads: int | None = None,
     prefill: bool = False,
     stall_prompt: int = DEFAULT_STALL_PROMPT,
+    long_prefill_token_threshold: int = validate.DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
 ) -> tuple[int, Callable]:
     """Every input of a scale run checked before anything is built: (the points it measures,
     ``run(say, progress)``, which builds or reuses the artifacts and measures them; with
     ``prefill``, :func:`~tqexport.bench.prefill.measure_prefill` too, its long prompt
-    ``stall_prompt`` tokens or the longest the model takes)."""
+    ``stall_prompt`` tokens or the longest the model takes, prefilled beside the decoding
+    streams under ``long_prefill_token_threshold``)."""
     from tqexport.bench import matrix
     from tqexport.weights.precision import stored_label
 
@@ -262,6 +264,7 @@ def plan_scale(
 
     position_limit = spec.max_position_embeddings
     validate.integer(stall_prompt, "--stall-prompt", 1, matrix.MAX_BENCH_CONTEXT)
+    validate.serving(long_prefill_token_threshold=long_prefill_token_threshold)
     if position_limit is not None:
         stall_prompt = min(stall_prompt, position_limit - 1)
 
@@ -272,8 +275,10 @@ def plan_scale(
         result = measure_scale(arts, kept, bat, steps, budget, limit, threads, max_num_seqs,
                                progress)  # fmt: skip
         if prefill:
-            result["prefill"] = measure_prefill(arts, kept, stall_prompt, threads=threads,
-                                                progress=progress)  # fmt: skip
+            result["prefill"] = measure_prefill(
+                arts, kept, stall_prompt, threads=threads, progress=progress,
+                threshold=long_prefill_token_threshold,
+            )  # fmt: skip
         return {
             **result,
             "model": spec.model.get("name"),

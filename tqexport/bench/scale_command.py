@@ -70,6 +70,7 @@ def bench_scale(
     stall_prompt: Annotated[
         int, typer.Option(help="Tokens of the prompt admitted beside decoding streams.")
     ] = scale.DEFAULT_STALL_PROMPT,
+    long_prefill_token_threshold: EngineOptions[5] = EngineConfig.long_prefill_token_threshold,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ):
     """Decode cost vs context and batch per kv dtype, each point beside its bytes-per-step
@@ -81,6 +82,7 @@ def bench_scale(
     total, run = scale.plan_scale(
         target, kv_cache_dtype, contexts, batches, steps, kv_cache_memory, grid_memory,
         workdir, recent_window, weights, max_num_seqs, threads, prefill, stall_prompt,
+        long_prefill_token_threshold,
     )  # fmt: skip
     with progress() as bar:
         task = bar.add_task("decode points", total=total)
@@ -155,5 +157,6 @@ def _print_prefill(pre: dict, names: list[str]) -> None:
         console.print(printable(
             f"{n}: {pre['streams']} streams' inter-token p99 {s['quiet_p99_ms']:.1f} ms alone, "
             f"{s['admitting_p99_ms']:.1f} ms while a {pre['stall_tokens']}-token prompt is "
-            f"admitted ({s['ratio']:.2f}x)"
+            f"admitted ({s['ratio']:.2f}x; its first token after {s['long_prompt_seconds']:.1f} s"
+            f", long-prefill token threshold {pre['long_prefill_token_threshold']})"
         ))  # fmt: skip

@@ -38,6 +38,7 @@ def run(
     max_num_seqs: EngineOptions[2] = ENGINE.max_num_seqs,
     threads: EngineOptions[3] = ENGINE.threads,
     chat_template: EngineOptions[4] = ENGINE.chat_template,
+    long_prefill_token_threshold: EngineOptions[5] = ENGINE.long_prefill_token_threshold,
     kernels: KernelsOption = ENGINE.kernels,
     as_json: Annotated[bool, typer.Option("--json", help="Print results as JSON.")] = False,
 ):
@@ -58,7 +59,7 @@ def run(
     validate.greedy(temperature, given_names(ctx))
     config = EngineConfig(
         backend, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads,
-        chat_template, kernels, max_model_len,
+        chat_template, kernels, max_model_len, long_prefill_token_threshold,
     )  # fmt: skip
     texts = [prompt] if prompt is not None else validate.prompts_file(prompts_file)
     engine = Engine.from_artifact(artifact, config)

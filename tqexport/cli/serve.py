@@ -48,6 +48,7 @@ def serve(
     max_num_seqs: EngineOptions[2] = ENGINE.max_num_seqs,
     threads: EngineOptions[3] = ENGINE.threads,
     chat_template: EngineOptions[4] = ENGINE.chat_template,
+    long_prefill_token_threshold: EngineOptions[5] = ENGINE.long_prefill_token_threshold,
     kernels: KernelsOption = ENGINE.kernels,
     grace_seconds: Annotated[
         float, typer.Option(help="After SIGTERM, seconds in-flight requests may take to finish.")
@@ -76,7 +77,7 @@ def serve(
                            max_replicas_per_node, ray, given_names(ctx))  # fmt: skip
     config = EngineConfig(
         backend, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads,
-        chat_template, kernels, max_model_len,
+        chat_template, kernels, max_model_len, long_prefill_token_threshold,
     )  # fmt: skip
     if ray:
         from tqexport.contract.artifact import open_artifact

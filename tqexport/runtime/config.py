@@ -33,11 +33,15 @@ class EngineConfig:
     #: the longest sequence (prompt + output) served, vLLM's ``--max-model-len``; the memory plan
     #: is split for it (None: the model's position limit)
     max_model_len: int | None = None
+    #: prompt tokens per step while sequences decode, so a long prompt stalls them less
+    #: (0: off; ``runtime.scheduler.Scheduler``)
+    long_prefill_token_threshold: int = validate.DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
 
     def __post_init__(self):
         validate.serving(
-            self.num_blocks, self.max_num_seqs, self.max_num_batched_tokens, self.backend
-        )
+            self.num_blocks, self.max_num_seqs, self.max_num_batched_tokens, self.backend,
+            self.long_prefill_token_threshold,
+        )  # fmt: skip
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise TQExportError("give --num-blocks or --kv-cache-memory, not both")
         if self.kv_cache_memory is not None:

@@ -207,6 +207,7 @@ class Engine:
             kv_cache_memory=config.memory,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
             threads=config.threads,
             source_model=source_model,
             max_model_len=self.max_model_len,

@@ -40,6 +40,7 @@ class Executor:
         kv_cache_memory: str | None = None,
         max_num_batched_tokens: int = validate.DEFAULT_MAX_NUM_BATCHED_TOKENS,
         max_num_seqs: int = validate.DEFAULT_MAX_NUM_SEQS,
+        long_prefill_token_threshold: int = validate.DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
         threads: int | None = None,
         source_model=None,
         max_model_len: int | None = None,
@@ -58,6 +59,8 @@ class Executor:
             validate.threads(threads, "threads")
         if max_model_len is not None:
             validate.integer(max_model_len, "max_model_len", 1)
+        validate.integer(long_prefill_token_threshold, "long_prefill_token_threshold", 0,
+                         validate.MAX_NUM_BATCHED_TOKENS)  # fmt: skip
         self.max_model_len = max_model_len
         self.limit_name = limit_name
         #: blocks per cache group; the layers' own caches have ``num_blocks``
@@ -81,7 +84,9 @@ class Executor:
         else:
             raise TQExportError(f"unknown backend {backend!r}; use ort, torch or trt")
         self.blocks = BlockManager(self.spec.groups, self.group_num_blocks)
-        self.scheduler = Scheduler(self.blocks, max_num_batched_tokens, max_num_seqs)
+        self.scheduler = Scheduler(
+            self.blocks, max_num_batched_tokens, max_num_seqs, long_prefill_token_threshold
+        )
         self._next_id = 0
         self.group_block_bytes = [self.spec.group_block_bytes(g) for g in self.spec.groups]
         self.peak_kv_bytes = 0

@@ -9,12 +9,28 @@ from tqexport.runtime.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
-        if max_num_batched_tokens < 1 or max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+    """``long_prefill_token_threshold`` (0: off): while any sequence decodes, a step carries at
+    most this many prompt tokens in all, so a long prompt being admitted delays the others'
+    next token by a small chunk's time, not a whole ``max_num_batched_tokens`` chunk's; a
+    prompt with no sequence decoding beside it still prefills in whole chunks. (vLLM's option
+    of that name caps each request's chunk, decoding or not.)"""
+
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        long_prefill_token_threshold: int = 0,
+    ):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1 or long_prefill_token_threshold < 0:
+            raise ValueError(
+                "max_num_batched_tokens and max_num_seqs must be >= 1, "
+                "long_prefill_token_threshold >= 0"
+            )
         self.blocks = blocks
         self.max_tokens = max_num_batched_tokens
         self.max_seqs = max_num_seqs
+        self.long_prefill = long_prefill_token_threshold
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         #: preemptions since the scheduler was made (a metric)
@@ -47,11 +63,14 @@ class Scheduler:
     def schedule(self) -> list[tuple[Sequence, int]]:
         """(sequence, tokens to compute this step) pairs, running ones first, in arrival order."""
         budget = self.max_tokens
+        prefill = self._prefill_budget()
         batch: list[tuple[Sequence, int]] = []
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
-            n = min(seq.remaining, budget)
+            n = min(seq.remaining, budget, prefill if seq.remaining > 1 else 1)
+            if n == 0:
+                continue
             while not self.blocks.can_grow(seq, seq.num_cached + n):
                 victim = self.running[-1]
                 if victim is seq and len(self.running) == 1:
@@ -67,9 +86,10 @@ class Scheduler:
             self.blocks.grow(seq, seq.num_cached + n)
             batch.append((seq, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            prefill -= n if seq.remaining > 1 else 0
+        while self.waiting and min(budget, prefill) > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
-            n = min(seq.remaining, budget)
+            n = min(seq.remaining, budget, prefill)
             if not self.blocks.can_grow(seq, n):
                 break
             self.waiting.popleft()
@@ -78,7 +98,13 @@ class Scheduler:
             self.blocks.grow(seq, n)
             batch.append((seq, n))
             budget -= n
+            prefill -= n
         return batch
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens this step may carry: the threshold while a sequence decodes."""
+        decoding = any(s.status is Status.RUNNING and s.remaining == 1 for s in self.running)
+        return self.long_prefill if self.long_prefill and decoding else self.max_tokens
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.finish(reason)
