@@ -222,3 +222,25 @@ def test_the_long_prefill_threshold_spreads_the_prompt_over_more_steps(artifacts
     s = r["stall"]["fp8"]
     assert r["long_prefill_token_threshold"] == 10 and len(s["admitting_ms"]) == 25
     assert s["long_prompt_seconds"] == pytest.approx(sum(s["admitting_ms"]) / 1000)
+
+
+def test_prefill_peers_times_the_same_prompt_for_each_system(tmp_path):
+    """benchmarks/prefill_peers.py without GenAI: each context's fastest round after the warm-up,
+    tokens/s from it, every length's load average recorded."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefill_peers.py"
+    spec = importlib.util.spec_from_file_location("prefill_peers", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "r.json"
+    result = mod.main(["--model", "tiny-llama", "--contexts", "20,40", "--dtypes", "fp8",
+                       "--genai-precisions", "", "--rounds", "1", "--workdir",
+                       str(tmp_path / "w"), "--json", str(out)])  # fmt: skip
+    assert json.loads(out.read_text()) == result
+    assert [r["context"] for r in result["rows"]] == [20, 40]
+    for r in result["rows"]:
+        assert list(r["seconds"]) == ["tqexport fp8"]
+        assert r["tokens_per_second"]["tqexport fp8"] == r["context"] / r["seconds"]["tqexport fp8"]
+        assert set(r["loadavg"]) == {"before", "after"}
