@@ -163,7 +163,8 @@ calibration-tables: install
 	$(BIN)/tqexport calibrate smollm2 -o $(CENTER_TABLE) --kv-key-transform center --candidates $(CENTER_CANDIDATES) --force
 
 # The generated parts of the docs: the CLI reference (typer's own generator) and the README's
-# formats table (from the report's results.json). tests/test_docs.py fails while either is stale.
+# formats table (from the report's results.json). tests/e2e/test_docs.py fails while either is
+# stale.
 docs: install
 	PYTHONPATH=. $(BIN)/typer tqexport.cli utils docs --name tqexport --output docs/cli.md
 	$(BIN)/python -m tqexport.bench.glance README.md $(REPORT_DIR)/results.json

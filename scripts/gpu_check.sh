@@ -10,7 +10,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_DEFAULT_FP_FUSION=0
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())" || exit 1
 echo "== CUDA kernel tests"
-timeout 300 "$PY" -m pytest -q -m gpu tests/test_triton_cache_write.py tests/test_triton_paged_attention.py
+timeout 300 "$PY" -m pytest -q -m gpu tests/ops/test_triton_cache_write.py tests/ops/test_triton_paged_attention.py
 tests=$?
 echo "== paged decode bandwidth"
 timeout 300 "$PY" benchmarks/gpu_decode.py "$@"

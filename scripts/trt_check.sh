@@ -25,5 +25,5 @@ for case in "auto:" "fp8:" "turboquant_4bit_nc:--no-boundary --skip-layers 0" \
   timeout 300 "$PY" benchmarks/trt_parity.py "$art" --tolerance "$tol" || status=1
 done
 echo "== CUDA tests of the TensorRT-order kernels"
-timeout 300 "$PY" -m pytest -q -m gpu tests/test_trt_plugins.py || status=1
+timeout 300 "$PY" -m pytest -q -m gpu tests/trt_plugins/test_trt_plugins.py || status=1
 exit $status

@@ -17,7 +17,7 @@ from tqexport.contract.files import WEIGHTS_FILE
 from tqexport.errors import TQExportError
 from tqexport.native import library
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: the ORT session every tqexport speed run opens (DEFAULT_OPTIONS), as ORT reports it
 SESSION = {
     "intra_op_num_threads": 1,

@@ -4,8 +4,8 @@ global cache options (resolve, the spec's consistency check, plan/build/bench, v
 import json
 
 import pytest
+from cli_helpers import NOWHERE
 from helpers import dense, gemma_like, main_inproc
-from test_cli import NOWHERE
 
 from tqexport.contract.artifact import open_artifact
 from tqexport.errors import ResolveError

@@ -11,7 +11,7 @@ from helpers import with_byte_tokenizer
 
 from tqexport.serve.runner import listen
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def run(*cmd, env=None, timeout=600):

@@ -20,7 +20,7 @@ from tqexport.models.loader import load_model
 from tqexport.spec import BuildRequest
 
 MODEL = "tiny-llama"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class ByteTokenizer:

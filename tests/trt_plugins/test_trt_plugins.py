@@ -29,7 +29,7 @@ from trt_plugins.ptx import (
 NAMES = ["auto", "fp8", "fp8_e5m2", "turboquant_4bit_nc", "turboquant_k3v4_nc",
          "turboquant_3bit_nc", "turboquant_k8v4", "tqx_k4v4_g32", "tqx_k4v3_g32",
          "tqx_k4v3_mse", "tqx_k4v2_mse", "tqx_k3v2_mse"]  # fmt: skip
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: the TurboQuant formats, also run at Gemma 3's head size 256 (one kv head, four query heads)
 TURBOQUANT = [n for n in NAMES if n.startswith(("turboquant", "tqx"))]
 

@@ -106,8 +106,8 @@ def prompt_ids(model, tok):
 
 @pytest.mark.parametrize("model", [GEMMA, QWEN])
 def test_greedy_matches_transformers_generate(artifacts, model):
-    """The SmolLM2 test's rule (tests/test_executor.py): where the reference is decisive its
-    argmax was generated, and transformers' greedy output is ours up to a near tie."""
+    """The SmolLM2 test's rule (tests/runtime/test_executor.py): where the reference is decisive
+    its argmax was generated, and transformers' greedy output is ours up to a near tie."""
     from transformers import AutoTokenizer
 
     from tqexport.models.loader import load_model

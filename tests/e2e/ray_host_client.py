@@ -1,4 +1,4 @@
-"""Client that tests/test_ray_two_hosts.py runs inside a host's network namespace.
+"""Client that tests/e2e/test_ray_two_hosts.py runs inside a host's network namespace.
 
 ``load BASE KEY N CONCURRENCY MAX_TOKENS TIMEOUT``: N greedy completions of model "tiny",
 CONCURRENCY at a time, request i asking for MAX_TOKENS + i * 7 % MAX_TOKENS tokens (staggered:

@@ -540,7 +540,7 @@ def test_calibrate_makes_the_table_folder(capsys, tmp_path):
 
 
 def _layer_candidates():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "layer_candidates.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "layer_candidates.py"
     spec = importlib.util.spec_from_file_location("layer_candidates", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

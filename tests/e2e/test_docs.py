@@ -33,7 +33,7 @@ from helpers import with_byte_tokenizer
 from tqexport.bench import glance
 from tqexport.serve.runner import listen
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 #: generated pages: their blocks are usage synopses, checked by freshness instead
 GENERATED = {"docs/cli.md"}
