@@ -72,9 +72,9 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for c in (int(x) for x in args.contexts.split(",")):
         ids = prompt_ids(spec, c)
-        systems = {n: (lambda a=a: time_to_first_token(a, c, chunk, args.threads))
+        systems = {n: (lambda a=a, c=c: time_to_first_token(a, c, chunk, args.threads))
                    for n, a in arts.items()}  # fmt: skip
-        systems |= {n: (lambda m=m: genai_first_token(m, ids)) for n, m in genai.items()}
+        systems |= {n: (lambda m=m, ids=ids: genai_first_token(m, ids)) for n, m in genai.items()}
         times = {n: [] for n in systems}
         before = load_average()
         for _ in range(args.rounds + 1):  # the first round warms up
@@ -90,8 +90,9 @@ def main(argv: list[str] | None = None) -> dict:
         "chunk": chunk,
         "threads": args.threads,
         "weights": {n: stored_label(a.spec) for n, a in arts.items()},
-        "versions": {p: metadata.version(p)
-                     for p in ("onnxruntime", *["onnxruntime-genai"] * bool(genai))},
+        "versions": {
+            p: metadata.version(p) for p in ("onnxruntime", *["onnxruntime-genai"] * bool(genai))
+        },
         "rows": rows,
     }
     if args.json:

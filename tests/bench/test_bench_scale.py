@@ -230,7 +230,7 @@ def test_prefill_peers_times_the_same_prompt_for_each_system(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefill_peers.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "prefill_peers.py"
     spec = importlib.util.spec_from_file_location("prefill_peers", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import tqexport
-
 from tqexport.contract.artifact import open_artifact
 from tqexport.errors import TQExportError
 from tqexport.export.artifact import build_artifact

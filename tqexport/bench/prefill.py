@@ -94,10 +94,15 @@ def p99(values: list[float]) -> float:
     return float(np.percentile(values, 99))
 
 
-def measure_prefill(arts: dict[str, Artifact], contexts: list[int], stall_tokens: int,
-                    chunk: int = validate.DEFAULT_MAX_NUM_BATCHED_TOKENS, threads=None,
-                    progress=lambda what: None,
-                    threshold: int = validate.DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD) -> dict:
+def measure_prefill(
+    arts: dict[str, Artifact],
+    contexts: list[int],
+    stall_tokens: int,
+    chunk: int = validate.DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    threads=None,
+    progress=lambda what: None,
+    threshold: int = validate.DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
+) -> dict:
     """Per context, every format's time to first token and prefill tokens/s; per format, the
     streams' inter-token p99 with and without a ``stall_tokens`` prompt being admitted (under
     the long-prefill token ``threshold``), and that prompt's time to its first token there."""

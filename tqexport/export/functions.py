@@ -25,11 +25,11 @@ import torch
 from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 
+from tqexport.export.stack_traces import drop_stack_traces
 from tqexport.kvquant.codecs import MODEL_DTYPES, codec_for, torch_dtype
 from tqexport.models.cache import cache_dir
 from tqexport.ops import reference
 from tqexport.ops.attributes import CACHE_WRITE, DOMAIN
-from tqexport.export.stack_traces import drop_stack_traces
 from tqexport.safe_files import write_file
 
 
