@@ -514,7 +514,7 @@ def test_no_progress_line_before_an_error():
 
 FAIL_TO_SAVE = """
 import errno, sys
-import tqexport.export.artifact as artifact
+import tqexport.export.artifact_build as artifact
 from tqexport.cli import main
 
 def full(*_):

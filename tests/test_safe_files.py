@@ -199,7 +199,7 @@ def test_builtin_chunks_join_without_following_a_link(tmp_path, victim, monkeypa
 #: writers allowed to call a plain file-creating API: they write inside a folder they just made
 #: with mkdtemp or a build's own staging folder (names nobody else can have planted)
 FRESH_FOLDER_WRITERS = {
-    "tqexport/export/artifact.py",  # into the build's staging folder (outdir.Staging)
+    "tqexport/export/artifact_build.py",  # into the build's staging folder (outdir.Staging)
     "tqexport/contract/files.py",  # write_manifest: into the staging folder
     "tqexport/runtime/text.py",  # the tokenizer, into a TemporaryDirectory
     "tqexport/models/loader.py",  # the converted GGUF, into make_temp_dir's folder

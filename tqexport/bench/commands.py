@@ -130,7 +130,7 @@ def bench_quality(
         kv_layers,
     )
     if kv_layers and not matrix.is_artifact(target):
-        from tqexport.export.artifact import check_request
+        from tqexport.export.artifact_build import check_request
 
         for c in configs:  # resolved from the config alone: nothing loads for a bad range
             check_request(target, c.request)

@@ -18,7 +18,7 @@ from pathlib import Path
 from tqexport.bench.evaltext import EvalText, chunk_tokens
 from tqexport.contract.artifact import Artifact, open_artifact
 from tqexport.errors import TQExportError
-from tqexport.export.artifact import resolve_spec
+from tqexport.export.artifact_build import resolve_spec
 from tqexport.kvplan.storage_bits import bits_per_element
 from tqexport.kvquant.modes import parse_kv_cache_dtype
 from tqexport.metrics import Baseline, Totals
