@@ -23,7 +23,7 @@ from tqexport.kvquant.codecs import (
 from tqexport.kvquant.packing import unpack_codes
 from tqexport.ops import reference
 from tqexport.ops.attributes import DOMAIN, PAGED_ATTENTION, node_attrs
-from tqexport.ops.library import codec_for
+from tqexport.ops.torch_ops import codec_for
 from tqexport.spec import BuildRequest
 
 DTYPES = MATRIX_DTYPES

@@ -15,7 +15,7 @@ from tqexport.bench import bounds, report, sessions, speed, speed_report, weight
 from tqexport.contract.artifact import open_artifact
 from tqexport.contract.files import WEIGHTS_FILE
 from tqexport.errors import TQExportError
-from tqexport.native import library
+from tqexport.native import kernel_choice
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the ORT session every tqexport speed run opens (DEFAULT_OPTIONS), as ORT reports it
@@ -57,11 +57,11 @@ def specs(artifacts):
 
 
 def test_run_kernels_resolves_auto_for_the_whole_run(monkeypatch, specs):
-    monkeypatch.setattr(library, "_ready_library", lambda sanitize=False: (Path("x.so"), ""))
+    monkeypatch.setattr(kernel_choice, "_ready_library", lambda sanitize=False: (Path("x.so"), ""))
     assert speed.run_kernels(["auto", "native", "bodies"], specs) == ["native", "bodies"]
     assert speed.run_kernels(["bodies", "auto"], specs) == ["bodies", "native"]
     why = "the native kernel library is not built: set ORT_INCLUDE_DIR"
-    monkeypatch.setattr(library, "_ready_library", lambda sanitize=False: (None, why))
+    monkeypatch.setattr(kernel_choice, "_ready_library", lambda sanitize=False: (None, why))
     assert speed.run_kernels(["auto", "bodies"], specs) == ["bodies"]
     with pytest.raises(TQExportError) as e:
         speed.run_kernels(["bodies", "native"], specs)
@@ -150,7 +150,7 @@ def test_measure_records_what_ran_each_label_and_its_session(artifacts):
     arts = {d: open_artifact(artifacts("tiny-llama", d)) for d in ("auto", "fp8")}
     kernels = speed.run_kernels(["auto", "bodies"], {n: a.spec for n, a in arts.items()})
     res = speed.measure(arts, [16], [1], steps=1, budget="1MiB", threads=1, kernels=kernels)
-    want = {"native": library.choose(arts["fp8"].spec, "native").reason if "native" in kernels
+    want = {"native": kernel_choice.choose(arts["fp8"].spec, "native").reason if "native" in kernels
             else None, "bodies": "function bodies (--kernels bodies)"}  # fmt: skip
     assert res["labels"] == {
         speed.kernel_label(n, k): {"configuration": n, "kernels": k, "reason": want[k]}

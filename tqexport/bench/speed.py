@@ -90,7 +90,7 @@ def run_kernels(asked: Sequence[str], specs: dict) -> list[str]:
     that order, each native or bodies: ``auto`` is native when the native library serves every
     artifact (label -> spec) and bodies otherwise, so one choice runs every configuration
     alike; ``native`` must serve them all."""
-    from tqexport.native.library import choose
+    from tqexport.native.kernel_choice import choose
 
     out: list[str] = []
     for k in asked:

@@ -35,7 +35,7 @@ def inspect(
     """Per-layer and per-group cache allocation of an artifact, totals vs an all-bf16 cache, and
     how many sequences of the longest length served fit at once."""
     from tqexport.contract.artifact import open_artifact
-    from tqexport.native.library import choose as choose_kernels
+    from tqexport.native.kernel_choice import choose as choose_kernels
     from tqexport.runtime.context import served_context
     from tqexport.runtime.memory import allocation, check_batched_tokens
     from tqexport.spec import recent_label
