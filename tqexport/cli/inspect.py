@@ -12,7 +12,7 @@ from rich.table import Table
 from tqexport.cli.common import ENGINE, VllmArgsOption, given_names, one_output, print_vllm_command
 from tqexport.console import console, fmt_bytes, warn
 from tqexport.options import MemoryOptions, given
-from tqexport.runtime.config import EngineConfig
+from tqexport.runtime.engine_config import EngineConfig
 from tqexport.validate import printable
 
 
