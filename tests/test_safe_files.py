@@ -166,7 +166,7 @@ def test_native_build_outputs_replace_links_at_their_names(tmp_path, victim, mon
 
 
 def test_report_files_replace_links_and_refuse_without_force(tmp_path, victim):
-    from tqexport.bench import report
+    from benchmarks.report import report
 
     (tmp_path / "results.json").symlink_to(victim)
     with pytest.raises(TQExportError, match="results.json already exists"):
