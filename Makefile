@@ -111,9 +111,9 @@ bench: install
 	$(QUALITY_GEMMA_512) --kv-layers $(GEMMA_PLAN_171) --kv-layers 0-17:tqx_k4v3_mse:w184:s8 > $(REPORT_DIR)/quality_512_gemma3-270m_budget1.71.json
 	$(QUALITY_GEMMA_512) --kv-layers $(GEMMA_PLAN_222) --kv-layers $(GEMMA_SW) --kv-layers 0-17:fp8 > $(REPORT_DIR)/quality_512_gemma3-270m_budget2.22.json
 	$(BIN)/python benchmarks/peers_speed.py --json $(REPORT_DIR)/speed_peers.json
-	$(BIN)/tqexport bench report smollm2 -o $(REPORT_DIR) --force --peer-speed-json $(REPORT_DIR)/speed_peers.json $(foreach f,quality quality_native quality_recent quality_calibrated quality_4096 quality_4096_k4 quality_4096_k3 quality_4096_mse45 quality_4096_mse35 quality_budget quality_4096_budget,--quality-json $(REPORT_DIR)/$(f).json)
+	$(BIN)/python -m benchmarks.report smollm2 -o $(REPORT_DIR) --force --peer-speed-json $(REPORT_DIR)/speed_peers.json $(foreach f,quality quality_native quality_recent quality_calibrated quality_4096 quality_4096_k4 quality_4096_k3 quality_4096_mse45 quality_4096_mse35 quality_budget quality_4096_budget,--quality-json $(REPORT_DIR)/$(f).json)
 	$(BIN)/python benchmarks/codec_throughput.py
-	$(BIN)/python -m tqexport.bench.glance README.md $(REPORT_DIR)/results.json
+	$(BIN)/python -m benchmarks.report.glance README.md $(REPORT_DIR)/results.json
 	$(MAKE) bench-models
 
 # Quality per real model beside SmolLM2's report (docs/report/models.md, which names where a
@@ -152,7 +152,7 @@ bench-models: install
 	for w in $(MODEL_WINDOWS); do $(MODEL_QUALITY) gemma3-270m --chunk $$w --kv-cache-dtype turboquant_4bit_nc,turboquant_3bit_nc --skip-layers sw --no-peer > $(REPORT_DIR)/gemma3-270m/quality_sw_$$w.json || exit 1; done
 	$(call model_budgets,gemma3-270m)
 	$(call model_budgets,qwen2.5-coder-0.5b)
-	$(BIN)/python -m tqexport.bench.model_report $(REPORT_DIR) gemma3-270m qwen2.5-coder-0.5b --force
+	$(BIN)/python -m benchmarks.report.model_report $(REPORT_DIR) gemma3-270m qwen2.5-coder-0.5b --force
 
 # The calibration tables `make bench` reads (committed in docs/report; CPU minutes each)
 calibration-tables: install
@@ -167,7 +167,7 @@ calibration-tables: install
 # stale.
 docs: install
 	PYTHONPATH=. $(BIN)/typer tqexport.cli utils docs --name tqexport --output docs/cli.md
-	$(BIN)/python -m tqexport.bench.glance README.md $(REPORT_DIR)/results.json
+	$(BIN)/python -m benchmarks.report.glance README.md $(REPORT_DIR)/results.json
 
 # Opt-in, not part of `make test`: TurboQuant slot bytes against vLLM's own store kernel (its wheel
 # is downloaded, never installed, and its kernel run in the Triton interpreter; ~1 min on 2 cores).

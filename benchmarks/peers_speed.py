@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from tqexport.bench import bounds, sessions, weights_floor
+from tqexport.bench.sessions import GENAI, genai_system
 from tqexport.bench.speed import (
     artifact_for,
     kernel_label,
@@ -46,7 +47,6 @@ from tqexport.bench.speed import (
     run_kernels,
     split_label,
 )
-from tqexport.bench.speed_report import GENAI, genai_system
 from tqexport.console import error_exit
 from tqexport.contract.steps import SeqChunk, build_step
 from tqexport.errors import TQExportError

@@ -8,7 +8,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from tqexport.export.artifact import build_artifact
+from tqexport.export.artifact_build import build_artifact
 from tqexport.runtime.engine import Engine, EngineConfig
 from tqexport.runtime.sequence import SamplingParams
 from tqexport.spec import BuildRequest

@@ -1,5 +1,5 @@
-// Exact float conversions of the reference codecs (tqexport.kvquant.bits): fp16, bf16 and fp8
-// bit patterns with round-to-nearest-even, saturating where the reference saturates.
+// Exact float conversions of the reference codecs (tqexport.kvquant.float_bytes): fp16, bf16 and
+// fp8 bit patterns with round-to-nearest-even, saturating where the reference saturates.
 #pragma once
 
 #include <cmath>

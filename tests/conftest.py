@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from tqexport.export.artifact import build_artifact
+from tqexport.export.artifact_build import build_artifact
 from tqexport.spec import BuildRequest
 
 

@@ -166,7 +166,7 @@ def test_native_build_outputs_replace_links_at_their_names(tmp_path, victim, mon
 
 
 def test_report_files_replace_links_and_refuse_without_force(tmp_path, victim):
-    from tqexport.bench import report
+    from benchmarks.report import report
 
     (tmp_path / "results.json").symlink_to(victim)
     with pytest.raises(TQExportError, match="results.json already exists"):
@@ -199,7 +199,7 @@ def test_builtin_chunks_join_without_following_a_link(tmp_path, victim, monkeypa
 #: writers allowed to call a plain file-creating API: they write inside a folder they just made
 #: with mkdtemp or a build's own staging folder (names nobody else can have planted)
 FRESH_FOLDER_WRITERS = {
-    "tqexport/export/artifact.py",  # into the build's staging folder (outdir.Staging)
+    "tqexport/export/artifact_build.py",  # into the build's staging folder (outdir.Staging)
     "tqexport/contract/files.py",  # write_manifest: into the staging folder
     "tqexport/runtime/text.py",  # the tokenizer, into a TemporaryDirectory
     "tqexport/models/loader.py",  # the converted GGUF, into make_temp_dir's folder

@@ -1,6 +1,6 @@
-"""Typer option types that several commands share (one help text each; the defaults come from
-:class:`~tqexport.runtime.config.EngineConfig` and :mod:`tqexport.validate`), the command class
-every command uses, and whether an option was given."""
+"""Typer option types that several commands share (one help text each; the defaults come
+from :class:`~tqexport.runtime.engine_config.EngineConfig` and :mod:`tqexport.validate`), the
+command class every command uses, and whether an option was given."""
 
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from benchmarks.report import report, speed_report
 from tqexport import metrics
-from tqexport.bench import evaltext, quality, report, speed_report
+from tqexport.bench import evaltext, quality
 from tqexport.errors import TQExportError
 from tqexport.kvquant.codecs import make_codec
 from tqexport.metrics import Totals
@@ -188,7 +189,7 @@ def test_goals_compare_each_tool_with_its_own_baseline():
         {"label": "q8_0", "kv_type": "q8_0", "ppl": 12.0, "bits_per_element": 8.5},
         {"label": "q4_0", "kv_type": "q4_0", "ppl": 12.72, "bits_per_element": 4.5},
     ]}  # fmt: skip
-    rows = report.with_deltas(quality_result, peer)
+    rows = quality.with_deltas(quality_result, peer)
     assert [round(r["ppl_delta_pct"], 6) for r in rows] == [0, 5, 0.2, 0, 0, 6]
     g = report.goals(rows, None)
     assert [x["met"] for x in g] == [True, False, False]
@@ -196,7 +197,7 @@ def test_goals_compare_each_tool_with_its_own_baseline():
     assert g[2]["detail"] == "best: turboquant_4bit_nc at 4.400 bits, +5.00%"
     assert [x["met"] for x in report.goals(rows[:3], None)] == [None, None, False]
     quality_result["runs"].append({"label": "k recent 32", "ppl": 10.09, "bits_per_element": 4.5})
-    assert report.goals(report.with_deltas(quality_result, peer), None)[2]["met"] is True
+    assert report.goals(quality.with_deltas(quality_result, peer), None)[2]["met"] is True
 
 
 def test_quality_parts_merge_only_when_comparable():
@@ -275,18 +276,6 @@ def test_speed_measures_every_artifact_and_memory_from_the_spec(artifacts):
             "--kernels must be one of auto, native, bodies, got 'foo'",
         ),
         (["speed", "smollm2", "--kernels", " , "], "--kernels needs one or more of auto, native"),
-        (
-            ["report", "smollm2", "-o", "out/never", "--kernels", "bodeis"],
-            "--kernels must be one of auto, native, bodies, got 'bodeis'",
-        ),
-        (
-            ["report", "smollm2", "-o", "out/never", "--peer-speed-json", "pyproject.toml"],
-            "--peer-speed-json pyproject.toml is not the output of",
-        ),
-        (
-            ["report", "smollm2", "-o", "out/never", "--speed-json", "pyproject.toml"],
-            "--speed-json pyproject.toml is not a `bench report` results.json with a speed",
-        ),
     ],
 )
 def test_bench_bad_input_is_one_line_exit_2(args, message):
@@ -296,6 +285,33 @@ def test_bench_bad_input_is_one_line_exit_2(args, message):
     r = subprocess.run([sys.executable, "-m", "tqexport", "bench", *args], capture_output=True,
                        text=True, timeout=300)  # fmt: skip
     assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["smollm2", "-o", "out/never", "--kernels", "bodeis"],
+         "--kernels must be one of auto, native, bodies, got 'bodeis'"),
+        (["smollm2", "-o", "out/never", "--peer-speed-json", "pyproject.toml"],
+         "--peer-speed-json pyproject.toml is not the output of"),
+        (["smollm2", "-o", "out/never", "--speed-json", "pyproject.toml"],
+         "--speed-json pyproject.toml is not a report's results.json with a speed section"),
+        (["tiny-llama", "-o", "out/never", "--contexts", "x"], "--contexts must"),
+        (["tiny-llama", "-o", "out/never", "--quality-json", "out/never", "--chunks", "2"],
+         "--chunks has no effect with --quality-json (its quality runs are reused as they are); "
+         "drop one"),
+    ],
+)  # fmt: skip
+def test_report_bad_input_is_one_line_exit_2_before_any_run(args, message):
+    """``python -m benchmarks.report`` (from the repository) checks its input as tqexport does."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "benchmarks.report", *args], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert (r.returncode, r.stdout) == (2, ""), r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], r.stderr
     assert "Traceback" not in r.stderr
@@ -466,7 +482,7 @@ def test_readme_glance_table_quotes_the_report():
     """The front page's formats table: one row per dtype as run (no-boundary and window
     variants only when their speed was measured), speed at batch 1 and the longest context,
     native-kernel labels preferred, where each format runs."""
-    from tqexport.bench import glance
+    from benchmarks.report import glance
 
     def row(label, dtype, bits, pct, kl, **kw):
         return {"tool": "tqexport", "label": label, "kv_cache_dtype": dtype,
@@ -579,7 +595,7 @@ def test_sliding_layers_hold_their_window_share_of_the_elements():
 def test_model_report_names_where_a_smollm2_winner_loses(tmp_path):
     """A model scored like SmolLM2's 1024-token part, but where fp8_e5m2 costs 0.1%: every
     configuration within a bit of it that beat it on SmolLM2 now loses to it, nothing else."""
-    from tqexport.bench import model_report
+    from benchmarks.report import model_report
 
     part = json.loads((ROOT / "docs/report/quality.json").read_text())
     part["quality"]["model"] = "m"
@@ -604,7 +620,7 @@ def test_model_report_names_where_a_smollm2_winner_loses(tmp_path):
 
 
 def test_model_report_without_runs_is_one_line(tmp_path, capsys):
-    from tqexport.bench import model_report
+    from benchmarks.report import model_report
 
     (tmp_path / "results.json").write_text((ROOT / "docs/report/results.json").read_text())
     (tmp_path / "m").mkdir()
@@ -618,7 +634,7 @@ def test_model_report_without_runs_is_one_line(tmp_path, capsys):
 def test_report_sets_each_kv_bits_budget_beside_the_best_single_configuration(tmp_path):
     """Each --kv-bits run: its predicted and measured KL, the best other configuration of the
     same windows at no more bits, llama.cpp q4_0; the budget goals at 4096-token windows."""
-    from tqexport.bench import budget_report
+    from benchmarks.report import budget_report
 
     def budget(b, bits, ppl, kl):
         return {"label": f"kv-bits {b:g}", "kv_cache_dtype": "auto", "ppl": ppl, "kl": kl,
@@ -659,7 +675,7 @@ def test_report_sets_each_kv_bits_budget_beside_the_best_single_configuration(tm
 def test_model_report_gives_each_model_its_budget_section(tmp_path):
     """A real model's --kv-bits runs get their own table and plot in models.md, beside the best
     single configuration within each budget and q4_0 at its own bits (a sliding model's share)."""
-    from tqexport.bench import model_report
+    from benchmarks.report import model_report
 
     budget = {"label": "kv-bits 2", "kv_cache_dtype": "auto", "ppl": 10.05, "kl": 0.01,
               "bits_per_element": 1.98, "kv_bits": 2.0, "predicted_kl": 0.004,

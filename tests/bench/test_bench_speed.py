@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tqexport.bench import bounds, report, sessions, speed, speed_report, weights_floor
+from benchmarks.report import report, speed_report
+from tqexport.bench import bounds, sessions, speed, speed_table, weights_floor
 from tqexport.contract.artifact import open_artifact
 from tqexport.contract.files import WEIGHTS_FILE
 from tqexport.errors import TQExportError
-from tqexport.native import library
+from tqexport.native import kernel_choice
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the ORT session every tqexport speed run opens (DEFAULT_OPTIONS), as ORT reports it
@@ -57,11 +58,11 @@ def specs(artifacts):
 
 
 def test_run_kernels_resolves_auto_for_the_whole_run(monkeypatch, specs):
-    monkeypatch.setattr(library, "_ready_library", lambda sanitize=False: (Path("x.so"), ""))
+    monkeypatch.setattr(kernel_choice, "_ready_library", lambda sanitize=False: (Path("x.so"), ""))
     assert speed.run_kernels(["auto", "native", "bodies"], specs) == ["native", "bodies"]
     assert speed.run_kernels(["bodies", "auto"], specs) == ["bodies", "native"]
     why = "the native kernel library is not built: set ORT_INCLUDE_DIR"
-    monkeypatch.setattr(library, "_ready_library", lambda sanitize=False: (None, why))
+    monkeypatch.setattr(kernel_choice, "_ready_library", lambda sanitize=False: (None, why))
     assert speed.run_kernels(["auto", "bodies"], specs) == ["bodies"]
     with pytest.raises(TQExportError) as e:
         speed.run_kernels(["bodies", "native"], specs)
@@ -150,7 +151,7 @@ def test_measure_records_what_ran_each_label_and_its_session(artifacts):
     arts = {d: open_artifact(artifacts("tiny-llama", d)) for d in ("auto", "fp8")}
     kernels = speed.run_kernels(["auto", "bodies"], {n: a.spec for n, a in arts.items()})
     res = speed.measure(arts, [16], [1], steps=1, budget="1MiB", threads=1, kernels=kernels)
-    want = {"native": library.choose(arts["fp8"].spec, "native").reason if "native" in kernels
+    want = {"native": kernel_choice.choose(arts["fp8"].spec, "native").reason if "native" in kernels
             else None, "bodies": "function bodies (--kernels bodies)"}  # fmt: skip
     assert res["labels"] == {
         speed.kernel_label(n, k): {"configuration": n, "kernels": k, "reason": want[k]}
@@ -245,7 +246,7 @@ def test_speed_goals_are_the_native_goals_of_one_run_with_their_bytes_bound():
 
 
 def test_speed_table_has_a_kernels_column_and_old_runs_still_render():
-    header, rows = speed_report.speed_table(_speed_run())
+    header, rows = speed_table.speed_table(_speed_run())
     assert header == [
         "context", "batch", "kernels", "auto tok/s", "turboquant_4bit_nc tok/s", "fp8 tok/s",
         "turboquant_4bit_nc vs auto", "fp8 vs auto", "auto native/bodies",
@@ -261,11 +262,11 @@ def test_speed_table_has_a_kernels_column_and_old_runs_still_render():
         "tokens_per_second": {"auto": 20.0, "fp8": 10.0},
         "speed_vs_auto": {"auto": 1.0, "fp8": 0.5},
     }]}  # fmt: skip
-    assert speed_report.speed_table(old) == (
+    assert speed_table.speed_table(old) == (
         ["context", "batch", "kernels", "auto tok/s", "fp8 tok/s", "fp8 vs auto"],
         [["256", "1", "-", "20.0", "10.0", "0.50x"]],
     )
-    assert speed_report.speed_notes(old) == []
+    assert speed_table.speed_notes(old) == []
     md = "\n".join(speed_report.speed_markdown(old))
     assert "| 256 | 1 | - | 20.0 | 10.0 | 0.50x |" in md
 
@@ -687,7 +688,7 @@ def test_peers_speed_builds_genai_int4_at_the_accuracy_level_of_our_blocks(tmp_p
          "int4_accuracy_level=4", "int4_block_size=32"],
         ["-p", "fp32", "-e", "cpu", "-c", str(tmp_path / "genai-cache")],
     ]  # fmt: skip
-    assert mod.genai_system("fp32") == speed_report.GENAI == "ORT GenAI fp32"
+    assert mod.genai_system("fp32") == sessions.GENAI == "ORT GenAI fp32"
 
 
 def test_peers_speed_bad_kernels_is_one_line(tmp_path):

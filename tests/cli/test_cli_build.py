@@ -10,7 +10,7 @@ from helpers import main_inproc
 
 FAIL_TO_SAVE = """
 import errno, sys
-import tqexport.export.artifact as artifact
+import tqexport.export.artifact_build as artifact
 from tqexport.cli import main
 
 def full(*_):

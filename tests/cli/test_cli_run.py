@@ -335,7 +335,7 @@ def test_attribute_the_native_kernels_refuse_at_start_up_is_one_line(served, cap
     import onnx
 
     from tqexport.contract.artifact import open_artifact
-    from tqexport.native.library import choose
+    from tqexport.native.kernel_choice import choose
 
     art = served()
     graph = onnx.load(str(art / "model.onnx"), load_external_data=False)

@@ -30,7 +30,7 @@ import httpx
 import pytest
 from helpers import with_byte_tokenizer
 
-from tqexport.bench import glance
+from benchmarks.report import glance
 from tqexport.serve.runner import listen
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import torch
 import tqexport
 from tqexport.contract.artifact import open_artifact
 from tqexport.errors import TQExportError
-from tqexport.export.artifact import build_artifact
+from tqexport.export.artifact_build import build_artifact
 from tqexport.spec import BuildRequest
 from tqexport.verify.parity import run_parity
 
@@ -92,7 +92,7 @@ def test_graph_shape_per_layer(artifacts):
 def test_default_calibration_text_is_not_the_evaluation_text(tmp_path, monkeypatch):
     # --kv-scales calibrate fits on held-out topics: none of the text bench quality scores
     from tqexport.bench.evaltext import pydoc_topics
-    from tqexport.export import artifact
+    from tqexport.export import artifact_build as artifact
 
     seen = []
     real = artifact.calibrate_scales

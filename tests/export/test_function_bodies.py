@@ -9,7 +9,7 @@ from tqexport.export.functions import function_for
 from tqexport.kvquant.codecs import torch_dtype
 from tqexport.ops import reference
 from tqexport.ops.attributes import CACHE_WRITE, PAGED_ATTENTION, node_attrs
-from tqexport.ops.library import codec_for
+from tqexport.ops.torch_ops import codec_for
 
 #: every format at head size 64; at Gemma 3's 256 one TurboQuant format per codec path (fp8
 #: keys, uniform values, grouped values, MSE values)

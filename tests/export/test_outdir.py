@@ -12,10 +12,10 @@ import pytest
 
 from tqexport.contract.artifact import open_artifact
 from tqexport.errors import TQExportError
-from tqexport.export import artifact as artifact_module
+from tqexport.export import artifact_build as artifact_module
 from tqexport.export import outdir
 from tqexport.export import source as source_module
-from tqexport.export.artifact import build_artifact
+from tqexport.export.artifact_build import build_artifact
 from tqexport.spec import BuildRequest
 
 

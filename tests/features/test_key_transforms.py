@@ -171,7 +171,7 @@ def test_build_stores_fitted_transforms_that_the_graph_and_parity_follow(tmp_pat
     import onnx
 
     from tqexport.contract.artifact import open_artifact
-    from tqexport.export.artifact import build_artifact
+    from tqexport.export.artifact_build import build_artifact
     from tqexport.spec import BuildRequest
     from tqexport.verify.parity import run_parity
 

@@ -404,7 +404,7 @@ def test_the_simulation_transforms_keys_as_the_executor_does():
     """One layer tqx_k4v2_mse (window 4, sinks 2) under a fitted center transform: the
     simulated logits are the paged executor's, and differ from the untransformed ones."""
     from tqexport.bench.quality import _executor
-    from tqexport.export.artifact import resolve_spec
+    from tqexport.export.artifact_build import resolve_spec
     from tqexport.kvplan.calibration_sim import LayerSimulation
     from tqexport.models.loader import load_model
     from tqexport.spec import BuildRequest
@@ -492,7 +492,7 @@ def test_bench_kv_bits_scores_plans_under_the_tables_key_transform(tmp_path):
 def test_under_a_key_transform_fp8_candidates_keep_plain_keys_and_plans_mix_them(tmp_path, capsys):
     """fp8 cannot take a transform: under center its costs are exactly the untransformed table's,
     the tqx_* ones differ; the chosen plan builds with fp8 layers plain and tqx_* layers keyed."""
-    from tqexport.export.artifact import resolve_spec
+    from tqexport.export.artifact_build import resolve_spec
     from tqexport.models.loader import load_model
     from tqexport.spec import BuildRequest
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tqexport.kvquant.bits import (
+from tqexport.kvquant.float_bytes import (
     E4M3,
     E5M2,
     fp8_decode,

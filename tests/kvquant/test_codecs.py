@@ -3,7 +3,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tqexport.kvquant.bits import E4M3, E5M2, fp8_decode
 from tqexport.kvquant.codecs import (
     CODECS,
     E2M1_VALUES,
@@ -13,6 +12,7 @@ from tqexport.kvquant.codecs import (
     e2m1_encode,
     make_codec,
 )
+from tqexport.kvquant.float_bytes import E4M3, E5M2, fp8_decode
 from tqexport.kvquant.modes import KVQuantMode, kv_cache_dtype_names
 
 

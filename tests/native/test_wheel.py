@@ -68,13 +68,13 @@ def test_the_wheel_carries_the_native_kernels_to_a_machine_without_headers(artif
 def test_an_install_without_sources_or_bundled_library_runs_the_bodies_saying_why(
     monkeypatch, tmp_path
 ):
-    from tqexport.native import library
+    from tqexport.native import kernel_choice
 
     monkeypatch.setattr(native_build, "SOURCE_DIR", tmp_path / "plugins")  # none: installed
     monkeypatch.setattr(native_build, "BUNDLED_DIR", tmp_path / "lib")
-    library._ready_library.cache_clear()
+    kernel_choice._ready_library.cache_clear()
     try:
-        assert library._ready_library() == (None, (
+        assert kernel_choice._ready_library() == (None, (
             "this install has neither the native kernel sources nor a bundled library; install "
             "a wheel made by `make wheel`, or tqexport from its sources with ONNX Runtime's "
             "headers"
@@ -82,8 +82,8 @@ def test_an_install_without_sources_or_bundled_library_runs_the_bodies_saying_wh
         (tmp_path / "lib").mkdir()
         (tmp_path / "lib" / native_build.LIBRARY_NAME).write_bytes(b"not a library")
         (tmp_path / "lib" / "build_info.json").write_text('{"source_hash": "x"}')
-        library._ready_library.cache_clear()
-        path, why = library._ready_library()
+        kernel_choice._ready_library.cache_clear()
+        path, why = kernel_choice._ready_library()
         assert path is None and why.startswith(f"{tmp_path / 'lib'}/libtqexport_ort.so is not ")
     finally:
-        library._ready_library.cache_clear()
+        kernel_choice._ready_library.cache_clear()

@@ -11,7 +11,6 @@ from onnx import helper
 
 from tqexport.export.functions import function_for
 from tqexport.kvplan.resolve import resolve
-from tqexport.kvquant.bits import fp8_decode, fp16_from_bytes
 from tqexport.kvquant.codecs import (
     _FP8_E4M3_TABLE,
     fp16_fields,
@@ -20,10 +19,11 @@ from tqexport.kvquant.codecs import (
     torch_dtype,
     triplet_codes,
 )
+from tqexport.kvquant.float_bytes import fp8_decode, fp16_from_bytes
 from tqexport.kvquant.packing import unpack_codes
 from tqexport.ops import reference
 from tqexport.ops.attributes import DOMAIN, PAGED_ATTENTION, node_attrs
-from tqexport.ops.library import codec_for
+from tqexport.ops.torch_ops import codec_for
 from tqexport.spec import BuildRequest
 
 DTYPES = MATRIX_DTYPES
@@ -268,7 +268,7 @@ def test_decode_side_tables_equal_the_arithmetic_decoders():
 
 
 def _e4m3():
-    from tqexport.kvquant.bits import E4M3
+    from tqexport.kvquant.float_bytes import E4M3
 
     return E4M3
 

@@ -22,7 +22,7 @@ import pytest
 from tqexport.contract.artifact import open_artifact
 from tqexport.contract.files import SPEC_METADATA_KEY
 from tqexport.errors import TQExportError
-from tqexport.export.artifact import resolve_spec
+from tqexport.export.artifact_build import resolve_spec
 from tqexport.kvplan.resolve import resolve
 from tqexport.models.config import describe_model
 from tqexport.spec import BuildRequest, ModelSpec, SpecError, spec_from_json

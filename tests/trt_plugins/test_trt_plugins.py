@@ -184,7 +184,7 @@ def test_wrong_arity_and_engine_check_refuse_in_one_line():
         contract.launch_plan("PagedAttentionKV", attrs("fp8", recent_window=4))
     with pytest.raises(TQExportError, match="recent window 0.*use PagedAttentionSlot$"):
         contract.launch_plan("PagedAttentionSlotRecent", attrs("turboquant_4bit_nc"))
-    from tqexport.export.trt import check_layers
+    from tqexport.export.tensorrt_engine import check_layers
     from tqexport.kvplan.resolve import resolve
     from tqexport.models.config import describe_model
     from tqexport.spec import BuildRequest
@@ -334,7 +334,7 @@ def test_engine_graph_uses_the_plugins_and_profile(artifacts):
     import onnx
 
     from tqexport.contract.artifact import open_artifact
-    from tqexport.export.trt import check_layers, profile_shapes, use_plugins
+    from tqexport.export.tensorrt_engine import check_layers, profile_shapes, use_plugins
 
     art = open_artifact(artifacts("tiny-llama", "turboquant_4bit_nc", ["0"]))
     model = onnx.load(str(art.model_file), load_external_data=False)
@@ -383,7 +383,7 @@ def test_engine_refuses_block_weights_in_one_line_before_tensorrt(artifacts, cap
     from helpers import main_inproc
 
     from tqexport.contract.artifact import open_artifact
-    from tqexport.export.trt import check_weights
+    from tqexport.export.tensorrt_engine import check_weights
 
     path = artifacts("tiny-llama", "fp8", weights=weights)
     code, _, err = main_inproc(capsys, "engine", str(path))

@@ -275,7 +275,7 @@ def test_bench_quality_on_a_model_computes_with_the_weights_a_build_stores(
     """``bench quality MODEL --weights W`` scores the matrices ``build --weights W`` stores:
     every parameter equals what the artifact's reference reads back."""
     from tqexport.bench.quality import source_model
-    from tqexport.export.artifact import build_artifact
+    from tqexport.export.artifact_build import build_artifact
     from tqexport.runtime.backends.torch import load_source_model
     from tqexport.spec import BuildRequest
 
@@ -347,7 +347,7 @@ def test_plan_predicts_the_block_bytes_inspect_reads_from_the_build(
 ):
     """``plan --weights`` (tensor index or shapes alone) says what the built artifact's blocks
     take, to the byte; its float bytes count every float parameter."""
-    from tqexport.export.artifact import build_artifact
+    from tqexport.export.artifact_build import build_artifact
     from tqexport.spec import BuildRequest
 
     if source == "gguf":
@@ -379,7 +379,7 @@ def test_build_refuses_a_disk_short_of_the_planned_weights_and_writes_nothing(
     import shutil
 
     from tqexport.export import outdir
-    from tqexport.export.artifact import build_artifact
+    from tqexport.export.artifact_build import build_artifact
     from tqexport.export.source import BuildSource
     from tqexport.spec import BuildRequest
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -36,7 +35,7 @@ def _say(what: str) -> None:
     err.print(printable(what))
 
 
-def _quality(target, configs, text_file, chunk, chunks, peer: bool, weights=DEFAULT_WEIGHTS):
+def score_quality(target, configs, text_file, chunk, chunks, peer: bool, weights=DEFAULT_WEIGHTS):
     """Ours (with a progress bar) and the llama.cpp peer: (ours, peer result, peer note)."""
     with progress() as bar:
         task = bar.add_task("tqexport: scoring chunks", total=None)
@@ -108,7 +107,7 @@ def bench_quality(
 ):
     """Perplexity, KL and top-1 agreement per kv-cache configuration, through the paged caches
     (every run on the weights ``build --weights`` stores, dequantized)."""
-    from tqexport.bench.report import with_deltas
+    from tqexport.bench.quality import with_deltas
 
     validate.integer(chunk, "--chunk", 2, matrix.MAX_BENCH_CHUNK)
     validate.integer(chunks, "--chunks", 1, matrix.MAX_BENCH_CHUNKS)
@@ -130,7 +129,7 @@ def bench_quality(
         kv_layers,
     )
     if kv_layers and not matrix.is_artifact(target):
-        from tqexport.export.artifact import check_request
+        from tqexport.export.artifact_build import check_request
 
         for c in configs:  # resolved from the config alone: nothing loads for a bad range
             check_request(target, c.request)
@@ -144,13 +143,15 @@ def bench_quality(
         configs = _budget_configs(target, kv_bits, calibration, others, key_transform)
     elif calibration is not None:
         raise TQExportError("--calibration is read only by --kv-bits; add --kv-bits or drop it")
-    ours, peer_result, note = _quality(target, configs, text_file, chunk, chunks, peer, weights)
+    ours, peer_result, note = score_quality(
+        target, configs, text_file, chunk, chunks, peer, weights
+    )
     rows = with_deltas(ours, peer_result)
     if as_json:
         print(json.dumps({"quality": ours, "peer": peer_result, "peer_note": note,
                           "rows": rows}, indent=2))  # fmt: skip
         return
-    _print_quality(ours, rows, note)
+    print_quality(ours, rows, note)
 
 
 def _budget_configs(target, kv_bits, calibration, others: dict, key_transform: str = "none"):
@@ -183,7 +184,8 @@ def _budget_configs(target, kv_bits, calibration, others: dict, key_transform: s
     return configs
 
 
-def _print_quality(ours: dict, rows: list[dict], note: str | None) -> None:
+def print_quality(ours: dict, rows: list[dict], note: str | None) -> None:
+    """A ``bench quality`` run's table (ours, then the peer's rows) and its notes."""
     c = ours["chunking"]
     t = Table(
         title=printable(
@@ -266,25 +268,25 @@ def bench_speed(
     if as_json:
         print(json.dumps(speed, indent=2))
         return
-    _print_speed(speed)
+    print_speed(speed)
 
 
 bench_app.command("scale", cls=Command)(bench_scale)
 
 
-def _print_speed(speed: dict) -> None:
-    """The decode table (a row per kernel choice), what ran, and, for a run that recorded its
-    kernels, the native-kernel goals."""
-    from tqexport.bench import speed_report
+def print_speed(speed: dict) -> None:
+    """A ``bench speed`` run's decode table (a row per kernel choice), what ran, its weights
+    and KV memory."""
+    from tqexport.bench.speed_table import speed_notes, speed_table
 
-    header, rows = speed_report.speed_table(speed)
+    header, rows = speed_table(speed)
     t = Table(title="decode on ONNX Runtime CPU (ratios measured in the same run)")
     for col in header:
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(*r)
     console.print(t)
-    for note in speed_report.speed_notes(speed):
+    for note in speed_notes(speed):
         console.print(printable(note))
     if speed.get("weights"):
         kinds = ", ".join(f"{n}: {w}" for n, w in speed["weights"].items())
@@ -298,140 +300,3 @@ def _print_speed(speed: dict) -> None:
             f"{x['resident_vs_auto']:.3f}x", f"{x['bytes_ratio_auto_over_this']:.3f}x",
         )  # fmt: skip
     console.print(m)
-    if speed.get("kernels"):
-        _print_goals(speed_report.speed_goals(speed))
-
-
-def _print_goals(goals: list[dict]) -> None:
-    for g in goals:
-        verdict = {True: "MET", False: "NOT MET", None: "NOT MEASURED"}[g["met"]]
-        console.print(printable(f"{g['goal']}: {verdict} ({g['detail']})"))
-
-
-@bench_app.command("report", cls=Command)
-def bench_report(
-    ctx: typer.Context,
-    model: Annotated[str, typer.Argument(help="MODEL (HF dir, .gguf, built-in).")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Report directory.")],
-    chunks: Annotated[int, typer.Option(help="Quality windows of 1024 tokens.")] = 8,
-    contexts: Annotated[str, typer.Option(help="Decode context lengths.")] = "256,1024,4096",
-    batches: Annotated[str, typer.Option(help="Decode batch sizes.")] = "1,8",
-    workdir: Annotated[Path, typer.Option(help="Where the speed artifacts are built.")] = Path(
-        "out/bench"
-    ),
-    quality_json: Annotated[
-        list[Path] | None,
-        typer.Option(
-            help="Reuse `bench quality MODEL --json` outputs (repeatable) instead of rerunning; "
-            "parts scored on other windows than the first (e.g. --chunk 4096) get sections of "
-            "their own."
-        ),
-    ] = None,
-    peer_speed_json: Annotated[
-        Path | None,
-        typer.Option(
-            help="Add a `benchmarks/peers_speed.py --json` run (tqexport against ONNX Runtime "
-            "GenAI and llama.cpp): its section, plot and goals."
-        ),
-    ] = None,
-    speed_json: Annotated[
-        Path | None,
-        typer.Option(
-            help="Reuse the speed section of a report's results.json instead of measuring it "
-            "again (regenerating a report from new quality runs)."
-        ),
-    ] = None,
-    kernels: Annotated[
-        str,
-        typer.Option(
-            help="Kernel choices of the speed section (as `bench speed --kernels`); auto,bodies "
-            "measures the native kernels against the function bodies where they are built."
-        ),
-    ] = "auto,bodies",
-    force: Annotated[bool, typer.Option(help="Replace the report already in OUT.")] = False,
-):
-    """Quality + speed side by side: report.md, PNG plots and results.json in OUT.
-
-    Quality: every kv dtype (TurboQuant with and without boundary protection) against
-    llama.cpp, then the TurboQuant presets with recent windows 32 and 128. Speed: auto, fp8
-    and turboquant_4bit_nc, the last also with a 32-token recent window."""
-    from tqexport.bench import report, speed_report
-    from tqexport.bench.speed import parse_kernels
-    from tqexport.kvquant.modes import parse_kv_cache_dtype
-
-    validate.integer(chunks, "--chunks", 1, matrix.MAX_BENCH_CHUNKS)
-    report.check_out(out, force)
-    if quality_json and given(ctx, "chunks"):
-        raise TQExportError(
-            "--chunks has no effect with --quality-json (its quality runs are reused as they "
-            "are); drop one"
-        )
-    matrix.speed_args(contexts, batches, 4, "0,32")
-    parse_kernels(kernels)
-    peer_speed = None
-    if peer_speed_json is not None:
-        validate.regular_file(peer_speed_json, "--peer-speed-json", "a JSON file")
-        try:
-            peer_speed = speed_report.read_peer_speed(peer_speed_json)
-        except (OSError, ValueError):
-            raise TQExportError(
-                f"--peer-speed-json {peer_speed_json} is not the output of "
-                "`benchmarks/peers_speed.py --json`"
-            ) from None
-    if speed_json is not None:
-        validate.regular_file(speed_json, "--speed-json", "a JSON file")
-        try:
-            kept = json.loads(speed_json.read_text())["speed"]
-            kept["decode"]
-        except (OSError, ValueError, KeyError, TypeError):
-            raise TQExportError(
-                f"--speed-json {speed_json} is not a `bench report` results.json with a speed "
-                "section"
-            ) from None
-        run_speed = lambda say: kept  # noqa: E731 - the section as it was measured
-    else:
-        run_speed = matrix.plan_speed(  # checked before the quality runs
-            model, None, contexts, batches, 4, DEFAULT_KV_CACHE_MEMORY, workdir, "0,32", kernels
-        )
-    if quality_json:
-        parts = []
-        for path in quality_json:
-            try:
-                parts.append(json.loads(path.read_text()))
-                parts[-1]["quality"]["model"]
-            except (OSError, ValueError, KeyError, TypeError):
-                raise TQExportError(
-                    f"--quality-json {path} is not the output of `bench quality --json`"
-                ) from None
-    else:
-        tq = [n for n in matrix.BENCH_DTYPES if parse_kv_cache_dtype(n).is_turboquant]
-        parts = []
-        for configs, peer in (
-            (matrix.quality_configs(None, "both", None), True),
-            (matrix.quality_configs(tq, "both", None, "32,128"), False),
-        ):
-            ours, peer_result, note = _quality(model, configs, None, 1024, chunks, peer)
-            parts.append({"quality": ours, "peer": peer_result, "peer_note": note})
-    main, *windows = [report.quality_section(g, model) for g in report.split_by_chunking(parts)]
-    ours, peer_result, note, rows = (main[k] for k in ("quality", "peer", "peer_note", "rows"))
-    speed = run_speed(_say)
-    results = {
-        "model": model,
-        "command": "tqexport bench report " + " ".join(sys.argv[3:]),
-        "machine": report.machine(),
-        "quality": ours,
-        "peer": peer_result,
-        "peer_note": note,
-        "rows": rows,
-        "quality_windows": windows,
-        "speed": speed,
-        "peer_speed": peer_speed,
-        "goals": report.goals(rows, speed, windows, peer_speed),
-    }
-    files = report.write(out, results)
-    _print_quality(ours, rows, note)
-    for sec in windows:
-        _print_quality(sec["quality"], sec["rows"], sec["peer_note"])
-    _print_speed(speed)
-    _print_goals(results["goals"])
-    console.print(printable("wrote " + ", ".join(str(f) for f in files)))

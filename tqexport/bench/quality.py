@@ -18,7 +18,7 @@ from pathlib import Path
 from tqexport.bench.evaltext import EvalText, chunk_tokens
 from tqexport.contract.artifact import Artifact, open_artifact
 from tqexport.errors import TQExportError
-from tqexport.export.artifact import resolve_spec
+from tqexport.export.artifact_build import resolve_spec
 from tqexport.kvplan.storage_bits import bits_per_element
 from tqexport.kvquant.modes import parse_kv_cache_dtype
 from tqexport.metrics import Baseline, Totals
@@ -198,3 +198,18 @@ def evaluate(
         "runs": [r.result() for r in runs],
     }
     return results, chunks
+
+
+def with_deltas(quality: dict | None, peer: dict | None) -> list[dict]:
+    """Every quality row with its PPL change vs its own tool's baseline, ours first."""
+    rows = []
+    if quality:
+        base = quality["baseline"]["ppl"]
+        for r in [quality["baseline"], *quality["runs"]]:
+            rows.append({"tool": "tqexport", **r, "ppl_delta_pct": 100 * (r["ppl"] / base - 1)})
+    if peer:
+        base = next(r["ppl"] for r in peer["runs"] if r["kv_type"] == "f16")
+        for r in peer["runs"]:
+            rows.append({"tool": "llama.cpp", **r, "label": r["kv_type"],
+                         "ppl_delta_pct": 100 * (r["ppl"] / base - 1)})  # fmt: skip
+    return rows

@@ -12,7 +12,7 @@ from rich.table import Table
 from tqexport.bench import scale
 from tqexport.console import console, err, progress
 from tqexport.options import EngineOptions, WeightsOption
-from tqexport.runtime.config import EngineConfig
+from tqexport.runtime.engine_config import EngineConfig
 from tqexport.spec.request import DEFAULT_WEIGHTS
 from tqexport.validate import printable
 

@@ -21,6 +21,15 @@ ORT_DEFAULTS = {
 FROM_CONFIG, FROM_GENAI, FROM_ORT = "genai_config.json", "GenAI's default", "ORT's default"
 
 
+def genai_system(precision: str) -> str:
+    """A GenAI model's system name in a peers run, by its builder precision."""
+    return f"ORT GenAI {precision}"
+
+
+#: the GenAI model a peers run compares with unless told otherwise: GenAI's fp32 model
+GENAI = genai_system("fp32")
+
+
 def genai_default_threads(cpus: int) -> int:
     """GenAI's intra-op threads when its config sets none: half the hardware threads, 1 to 16."""
     return min(max(1, cpus // 2), 16)

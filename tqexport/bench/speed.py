@@ -35,7 +35,7 @@ def artifact_for(model: str, kv_cache_dtype: str, workdir: Path, recent_window: 
                  weights: str = DEFAULT_WEIGHTS):  # fmt: skip
     """The artifact of MODEL at this kv dtype, recent window and ``--weights``, built into
     ``workdir`` once and then reused (refused if the folder holds another build)."""
-    from tqexport.export.artifact import build_artifact
+    from tqexport.export.artifact_build import build_artifact
 
     suffix = f"-recent{recent_window}" if recent_window else ""
     out = workdir / f"{Path(model).name}-{kv_cache_dtype}{suffix}-{weights}"
@@ -90,7 +90,7 @@ def run_kernels(asked: Sequence[str], specs: dict) -> list[str]:
     that order, each native or bodies: ``auto`` is native when the native library serves every
     artifact (label -> spec) and bodies otherwise, so one choice runs every configuration
     alike; ``native`` must serve them all."""
-    from tqexport.native.library import choose
+    from tqexport.native.kernel_choice import choose
 
     out: list[str] = []
     for k in asked:

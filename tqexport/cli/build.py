@@ -65,7 +65,7 @@ def build(
     ] = None,
 ):
     """Export MODEL with per-layer KV caches: model.onnx + tqexport.json + tokenizer."""
-    from tqexport.export.artifact import build_artifact
+    from tqexport.export.artifact_build import build_artifact
     from tqexport.export.outdir import check_target
 
     check_target(out, force)  # before --kv-bits measures a table

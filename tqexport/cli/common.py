@@ -11,7 +11,7 @@ import typer
 from tqexport.console import err, error_exit
 from tqexport.errors import TQExportError
 from tqexport.options import given
-from tqexport.runtime.config import EngineConfig
+from tqexport.runtime.engine_config import EngineConfig
 from tqexport.spec import BuildRequest
 from tqexport.spec.request import GIVEN_RULES
 from tqexport.validate import printable

@@ -12,7 +12,7 @@ from rich.table import Table
 from tqexport.cli.common import ENGINE, VllmArgsOption, given_names, one_output, print_vllm_command
 from tqexport.console import console, fmt_bytes, warn
 from tqexport.options import MemoryOptions, given
-from tqexport.runtime.config import EngineConfig
+from tqexport.runtime.engine_config import EngineConfig
 from tqexport.validate import printable
 
 
@@ -35,7 +35,7 @@ def inspect(
     """Per-layer and per-group cache allocation of an artifact, totals vs an all-bf16 cache, and
     how many sequences of the longest length served fit at once."""
     from tqexport.contract.artifact import open_artifact
-    from tqexport.native.library import choose as choose_kernels
+    from tqexport.native.kernel_choice import choose as choose_kernels
     from tqexport.runtime.context import served_context
     from tqexport.runtime.memory import allocation, check_batched_tokens
     from tqexport.spec import recent_label

@@ -36,15 +36,20 @@ app.command(cls=Command)(tensorrt.engine)
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: user errors, usage errors included, become one line on stderr and
     exit code 2; ``--help`` and no arguments at all (the help) exit 0; parity's mismatch exits 1."""
+    run_app(app, argv, "tqexport")
+
+
+def run_app(typer_app: typer.Typer, argv: list[str] | None, prog_name: str) -> None:
+    """Run ``typer_app`` as :func:`main` runs tqexport's (the benchmark report runs its own)."""
     try:
-        rv = app(args=argv, prog_name="tqexport", standalone_mode=False)
+        rv = typer_app(args=argv, prog_name=prog_name, standalone_mode=False)
     except TQExportError as e:
         error_exit(str(e))
     except click_exceptions.ClickException as e:
         if type(e).__name__ == "NoArgsIsHelpError":  # typer printed the help: as --help does
             sys.exit(0)
         ctx = getattr(e, "ctx", None)
-        path = ctx.command_path if ctx is not None else "tqexport"
+        path = ctx.command_path if ctx is not None else prog_name
         error_exit(f"{e.format_message()} (see {path} --help)", 2 if e.exit_code == 2 else 1)
     except _ABORTS:
         error_exit("aborted", 1)

@@ -12,7 +12,7 @@ from tqexport import validate
 from tqexport.cli.common import ENGINE, given_names
 from tqexport.console import console, err, fmt_bytes, warn
 from tqexport.options import EngineOptions, KernelsOption, MemoryOptions
-from tqexport.runtime.config import EngineConfig
+from tqexport.runtime.engine_config import EngineConfig
 from tqexport.validate import printable
 
 

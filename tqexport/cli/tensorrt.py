@@ -23,7 +23,7 @@ def engine(
     max_blocks: Annotated[int, typer.Option(help="Most cache blocks per layer.")] = 4096,
 ):
     """Build a TensorRT engine (engine.plan) into ARTIFACT: needs tensorrt>=10.9 and a GPU."""
-    from tqexport.export.trt import build_engine, check_sizes
+    from tqexport.export.tensorrt_engine import build_engine, check_sizes
 
     check_sizes(max_batch, max_num_batched_tokens, max_blocks)
     out = build_engine(artifact, max_batch, max_num_batched_tokens, max_blocks)

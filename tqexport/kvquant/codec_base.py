@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from tqexport.errors import TQExportError
-from tqexport.kvquant.bits import (
+from tqexport.kvquant.float_bytes import (
     E4M3,
     fp8_decode,
     fp16_from_bytes,

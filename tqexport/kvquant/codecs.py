@@ -19,15 +19,6 @@ import torch
 
 from tqexport.errors import TQExportError
 from tqexport.kvquant import turboquant as tq
-from tqexport.kvquant.bits import (
-    E4M3,
-    FP8_FORMATS,
-    fp8_decode,
-    fp8_encode,
-    int8_from_bytes,
-    int8_to_bytes,
-    lookup,
-)
 from tqexport.kvquant.codec_base import (
     _EVERY_BYTE,
     _FP8_E4M3_TABLE,
@@ -64,6 +55,15 @@ from tqexport.kvquant.codec_base import (
 )
 from tqexport.kvquant.codec_base import (
     triplet_codes as triplet_codes,
+)
+from tqexport.kvquant.float_bytes import (
+    E4M3,
+    FP8_FORMATS,
+    fp8_decode,
+    fp8_encode,
+    int8_from_bytes,
+    int8_to_bytes,
+    lookup,
 )
 from tqexport.kvquant.modes import KVCacheDType, KVQuantMode, parse_kv_cache_dtype
 from tqexport.kvquant.packing import pack_codes, unpack_codes

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from tqexport.errors import TQExportError
-from tqexport.kvquant.bits import E4M3, fp8_encode, fp16_bytes, lookup
+from tqexport.kvquant.float_bytes import E4M3, fp8_encode, fp16_bytes, lookup
 from tqexport.kvquant.packing import packed_bytes
 
 #: Bumped whenever the byte layout below changes; recorded in every spec.

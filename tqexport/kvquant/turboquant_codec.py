@@ -6,12 +6,6 @@ from __future__ import annotations
 import torch
 
 from tqexport.kvquant import turboquant as tq
-from tqexport.kvquant.bits import (
-    E4M3,
-    fp8_decode,
-    fp16_from_bytes,
-    lookup,
-)
 from tqexport.kvquant.codec_base import (
     _EVERY_BYTE,
     _FP8_E4M3_TABLE,
@@ -22,6 +16,12 @@ from tqexport.kvquant.codec_base import (
     fp16_fields,
     nibbles,
     triplet_codes,
+)
+from tqexport.kvquant.float_bytes import (
+    E4M3,
+    fp8_decode,
+    fp16_from_bytes,
+    lookup,
 )
 from tqexport.kvquant.packing import pack_codes, unpack_codes
 

@@ -15,8 +15,8 @@ import torch
 import transformers
 
 from tqexport.errors import TQExportError
-from tqexport.ops import library as _library  # noqa: F401  registers torch.ops.tqexport.*
 from tqexport.ops import reference
+from tqexport.ops import torch_ops as _torch_ops  # noqa: F401  registers torch.ops.tqexport.*
 from tqexport.ops.attributes import (
     CACHE_WRITE,
     DOMAIN,

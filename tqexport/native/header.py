@@ -17,7 +17,7 @@ import struct
 
 import torch
 
-from tqexport.kvquant import bits, codecs, packing, turboquant
+from tqexport.kvquant import codecs, float_bytes, packing, turboquant
 from tqexport.kvquant.modes import KV_CACHE_DTYPES, KVQuantMode
 from tqexport.ops import attributes
 
@@ -26,7 +26,7 @@ from tqexport.ops import attributes
 NATIVE_HEAD_SIZES = tuple(range(8, codecs.MAX_HEAD_SIZE + 1, 8))
 CODEBOOK_BITS = (2, 3, 4)
 #: the fp8 formats by their C++ names
-FP8_NAMES = ((bits.E4M3, "kE4M3"), (bits.E5M2, "kE5M2"))
+FP8_NAMES = ((float_bytes.E4M3, "kE4M3"), (float_bytes.E5M2, "kE5M2"))
 
 
 def _f(x: float) -> str:
@@ -243,15 +243,15 @@ def render() -> str:
     for fmt, cname in FP8_NAMES:
         lines.append(
             f"inline constexpr float {cname}[256] = "
-            f"{_floats(bits.fp8_decode(every, fmt).tolist())};"
+            f"{_floats(float_bytes.fp8_decode(every, fmt).tolist())};"
         )
     lines += [
-        f"inline constexpr float kE4M3Max = {_f(bits.E4M3.max_value)};",
-        f"inline constexpr float kE5M2Max = {_f(bits.E5M2.max_value)};",
-        f"inline constexpr int kE4M3Bias = {bits.E4M3.bias}, kE4M3Mantissa = "
-        f"{bits.E4M3.mantissa_bits};",
-        f"inline constexpr int kE5M2Bias = {bits.E5M2.bias}, kE5M2Mantissa = "
-        f"{bits.E5M2.mantissa_bits};",
+        f"inline constexpr float kE4M3Max = {_f(float_bytes.E4M3.max_value)};",
+        f"inline constexpr float kE5M2Max = {_f(float_bytes.E5M2.max_value)};",
+        f"inline constexpr int kE4M3Bias = {float_bytes.E4M3.bias}, kE4M3Mantissa = "
+        f"{float_bytes.E4M3.mantissa_bits};",
+        f"inline constexpr int kE5M2Bias = {float_bytes.E5M2.bias}, kE5M2Mantissa = "
+        f"{float_bytes.E5M2.mantissa_bits};",
         f"inline constexpr float kE2M1[8] = {_floats(codecs.E2M1_VALUES.tolist())};",
         f"inline constexpr int kNvfp4Block = {codecs.NVFP4_BLOCK};",
         f"inline constexpr float kInt8Qmax = {_f(codecs.INT8_QMAX)};",

@@ -17,8 +17,9 @@ CACHE_WRITE = "CacheWrite"
 PAGED_ATTENTION = "PagedAttention"
 
 #: Every attribute a node may carry, with the Python type of its value: the TensorRT plugins
-#: declare them from these tables and the native kernels read them by these names (generated
-#: header). A cache's (both ops):
+#: declare them from these tables, the native kernels read them by these names (generated
+#: header) and the functions below make each node's from them, each value read from the spec
+#: field of its name unless given. A cache's (both ops):
 CACHE_ATTRS: dict[str, type] = {
     "kv_cache_dtype": str, "quant_mode": str, "model_dtype": str, "num_kv_heads": int,
     "head_size": int, "block_size": int, "k_scale": float, "v_scale": float,
@@ -32,34 +33,30 @@ SEGMENT_ATTRS: dict[str, type] = {"recent_window": int, "sink_tokens": int}
 NODE_ATTRS: dict[str, type] = {"variant": str, "layer": int}
 
 
+def _typed(table: dict[str, type], source, **given) -> dict:
+    """Every attribute of ``table`` in its order and type: ``given`` where there, else the
+    ``source`` field of its name (None is the type's zero)."""
+    out = {}
+    for name, kind in table.items():
+        value = given[name] if name in given else getattr(source, name)
+        out[name] = kind() if value is None else kind(value)
+    return out
+
+
 def cache_write_attrs(c: KVCacheSpec) -> dict:
     """Static parameters of a CacheWrite into a cache of spec ``c``."""
-    return {
-        "kv_cache_dtype": c.kv_cache_dtype,
-        "quant_mode": c.mode.name,
-        "model_dtype": c.model_dtype,
-        "num_kv_heads": c.num_kv_heads,
-        "head_size": c.head_size,
-        "block_size": c.block_size,
-        "k_scale": float(c.k_scale),
-        "v_scale": float(c.v_scale),
-    }
+    return _typed(CACHE_ATTRS, c, quant_mode=c.mode.name)
 
 
 def paged_attention_attrs(layer: LayerSpec, num_heads: int) -> dict:
     """Static parameters of a layer's PagedAttention; ``recent_window`` (and ``sink_tokens``)
     only when it has one, so other layers keep exactly their earlier attributes and variants."""
-    return (
-        {
-            **cache_write_attrs(layer.cache),
-            "num_heads": num_heads,
-            "scale": float(layer.scale),
-            "softcap": float(layer.softcap or 0.0),
-            "window": int(layer.window or 0),
-        }
-        | ({"recent_window": layer.recent_window} if layer.recent_window else {})
-        | ({"sink_tokens": layer.sink_tokens} if layer.sink_tokens else {})
-    )
+    segments = {n: kind for n, kind in SEGMENT_ATTRS.items() if getattr(layer, n)}
+    return {
+        **cache_write_attrs(layer.cache),
+        **_typed(ATTENTION_ATTRS, layer, num_heads=num_heads),
+        **_typed(segments, layer),
+    }
 
 
 def variant(op: str, attrs: dict) -> str:
@@ -76,12 +73,8 @@ def node_attrs(op: str, layer: LayerSpec, num_heads: int, binding: int = 0) -> d
         if op == CACHE_WRITE
         else paged_attention_attrs(layer, num_heads)
     )
-    return {
-        **attrs,
-        "variant": variant(op, attrs),
-        "layer": layer.index,
-        "plugin_namespace": DOMAIN,
-    }
+    node = _typed(NODE_ATTRS, None, variant=variant(op, attrs), layer=layer.index)
+    return {**attrs, **node, "plugin_namespace": DOMAIN}
 
 
 def attention_segments(layer: LayerSpec, caches: list, block_tables: list) -> dict:

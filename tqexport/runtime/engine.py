@@ -18,7 +18,7 @@ from tqexport.contract.artifact import Artifact, open_artifact
 from tqexport.errors import TQExportError
 from tqexport.runtime.blocks import BlockManager
 from tqexport.runtime.chat import encode_messages
-from tqexport.runtime.config import EngineConfig
+from tqexport.runtime.engine_config import EngineConfig
 from tqexport.runtime.executor import Executor, limit_words
 from tqexport.runtime.sequence import SamplingParams, Sequence, Status
 from tqexport.runtime.text import (

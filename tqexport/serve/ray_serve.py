@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 from tqexport.errors import TQExportError
-from tqexport.runtime.config import EngineConfig
+from tqexport.runtime.engine_config import EngineConfig
 
 #: the Ray Serve application (and deployment) name
 APP_NAME = "tqexport"

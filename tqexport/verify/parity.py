@@ -30,7 +30,7 @@ from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
 from tqexport.errors import TQExportError
 from tqexport.models.paged import PagedCausalLM
 from tqexport.native import KERNEL_CHOICES
-from tqexport.native.library import choose as choose_kernels
+from tqexport.native.kernel_choice import choose as choose_kernels
 from tqexport.ops import reference
 from tqexport.ops.attributes import CACHE_WRITE, DOMAIN, PAGED_ATTENTION, attention_segments
 from tqexport.runtime.backends.ort import (

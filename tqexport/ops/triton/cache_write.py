@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tqexport.kvquant.bits import FP8_FORMATS
 from tqexport.kvquant.codecs import Codec, Fp8PerTensorCodec, TurboQuantCodec, UnquantizedCodec
+from tqexport.kvquant.float_bytes import FP8_FORMATS
 from tqexport.ops.triton.common import (
     TRITON_TYPES,
     WRITE_LAYOUT_KEYS,

@@ -11,14 +11,22 @@ import triton
 import triton.language as tl
 
 from tqexport.kvquant import turboquant as tq
-from tqexport.kvquant.codecs import Codec, Fp8PerTensorCodec, TurboQuantCodec, UnquantizedCodec
+from tqexport.kvquant.codecs import (
+    MODEL_DTYPES,
+    Codec,
+    Fp8PerTensorCodec,
+    TurboQuantCodec,
+    UnquantizedCodec,
+)
 
 #: the codec class as the kernels' MODE constexpr (kernels branch on ints, not classes)
 MODE_PLAIN, MODE_FP8, MODE_TQ = 0, 1, 2
 #: the layout constexprs the CacheWrite kernels take (PagedAttention takes them all)
 WRITE_LAYOUT_KEYS = ("SLOT", "KEY_BITS", "VAL_BITS", "KEY_FP8", "NORM_OFF", "VAL_OFF",
                      "SCALE_OFF", "ZERO_OFF", "NG", "VAL_MSE", "VNORM_OFF", "VTH")  # fmt: skip
-TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+#: each model dtype's Triton type name (its pointer signatures: "*fp16"); the registry's names
+#: are also triton.language's
+TRITON_TYPES = {name: getattr(tl, name).name for name in MODEL_DTYPES}
 
 
 def supports(codec: Codec) -> bool:

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tqexport.kvquant.bits import FP8_FORMATS, fp8_decode
 from tqexport.kvquant.codecs import Codec, Fp8PerTensorCodec, TurboQuantCodec, UnquantizedCodec
+from tqexport.kvquant.float_bytes import FP8_FORMATS, fp8_decode
 from tqexport.ops.triton.common import (
     hadamard_tile,
     layout_constants,

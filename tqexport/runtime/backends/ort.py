@@ -22,8 +22,8 @@ import torch
 from tqexport.contract.artifact import Artifact
 from tqexport.contract.caches import allocate_caches, cache_output_name
 from tqexport.errors import TQExportError
-from tqexport.native.library import KernelChoice
-from tqexport.native.library import choose as choose_kernels
+from tqexport.native.kernel_choice import KernelChoice
+from tqexport.native.kernel_choice import choose as choose_kernels
 from tqexport.ops.attributes import DOMAIN
 
 #: Session settings, chosen by measurement (README "Benchmarks", ``benchmarks/ort_options.py``):
@@ -230,7 +230,7 @@ class OrtBackend:
         """``device``: where caches live, ``"cpu"`` or ``"cuda"`` (default: cuda when the CUDA
         provider is available, else cpu). ``options``: overrides of :data:`DEFAULT_OPTIONS`
         (see :func:`session_options`). ``kernels``: what runs the tqexport nodes on the CPU
-        (:data:`tqexport.native.library.KERNEL_CHOICES`; ``kernel_choice`` says what did)."""
+        (:data:`tqexport.native.kernel_choice.KERNEL_CHOICES`; ``kernel_choice`` says what did)."""
         available = providers()
         if device is None:
             device = "cuda" if "CUDAExecutionProvider" in available else "cpu"

@@ -7,19 +7,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmarks.report.markdown import table as md_table
 from tqexport.bench import weights_floor
 from tqexport.bench.bounds import step_bytes
-from tqexport.bench.markdown import table as md_table
+from tqexport.bench.sessions import GENAI
 from tqexport.bench.speed import kernel_label, split_label
+from tqexport.bench.speed_table import (
+    kernels_text,
+    load_text,
+    session_text,
+    speed_notes,
+    speed_table,
+)
 
-
-def genai_system(precision: str) -> str:
-    """A GenAI model's system name in a peers run, by its builder precision."""
-    return f"ORT GenAI {precision}"
-
-
-#: the peer the report's goals compare with: GenAI's fp32 model
-GENAI = genai_system("fp32")
 #: how a peer-speed run names tqexport's systems: "tqexport " + label
 TQ = "tqexport "
 #: the batch-scaling goals at context 1024: (system, batch 8 over batch 1 at least)
@@ -185,68 +185,6 @@ def speed_goals(speed: dict) -> list[dict]:
     return kernel_goals(speed.get("decode", []), speed.get("footprint") or {})
 
 
-def speed_table(speed: dict) -> tuple[list[str], list[list[str]]]:
-    """A ``bench speed`` run as (header, rows): a row per (context, batch, kernels), tokens/s
-    per configuration, each one's ratio to auto on the same kernels and, where both ran,
-    native over bodies (on the native row); a run that recorded no kernels shows "-" there."""
-    labels = list(speed["decode"][0]["ms_per_step"])
-    configs = list(dict.fromkeys(split_label(n)[0] for n in labels))
-    kernels = list(dict.fromkeys(split_label(n)[1] for n in labels))
-    both = {"native", "bodies"} <= set(kernels)
-    others = [c for c in configs if c != "auto"]
-    header = ["context", "batch", "kernels", *[f"{c} tok/s" for c in configs],
-              *[f"{c} vs auto" for c in others],
-              *([f"{c} native/bodies" for c in configs] if both else [])]  # fmt: skip
-    out = []
-    for r in speed["decode"]:
-        for k in kernels:
-            name = {c: kernel_label(c, k) if k else c for c in configs}
-            cells = [str(r["context"]), str(r["batch"]), k or "-",
-                     *[f"{r['tokens_per_second'][name[c]]:.1f}" for c in configs],
-                     *[f"{r['speed_vs_auto'][name[c]]:.2f}x" for c in others]]  # fmt: skip
-            if both:
-                cells += [f"{r['native_over_bodies'][c]:.2f}x" if k == "native" else "-"
-                          for c in configs]  # fmt: skip
-            out.append(cells)
-    return header, out
-
-
-def _session_text(so: dict) -> str:
-    threads = so["intra_op_num_threads"] or "ORT's default"
-    on = {True: "on", False: "off"}
-    return (
-        f"{threads} intra-op threads, spinning {on[so['allow_spinning']]}, "
-        f"{so['graph_optimization_level']}, memory pattern {on[so['enable_mem_pattern']]}, "
-        f"CPU arena {on[so['enable_cpu_mem_arena']]}"
-    )
-
-
-def _load_text(load: dict) -> str:
-    def f(x):
-        return "/".join(f"{v:.2f}" for v in x)
-
-    return f"before {f(load['before'])}, after {f(load['after'])}"
-
-
-def kernels_text(labels: dict) -> str | None:
-    """What ran each kernel choice's layers (label -> {"kernels", "reason"}), once per choice."""
-    seen = dict.fromkeys((v["kernels"], v["reason"]) for v in labels.values())
-    return "; ".join(f"[{k}] {why}" for k, why in seen) or None
-
-
-def speed_notes(speed: dict) -> list[str]:
-    """What a ``bench speed`` run recorded beside its timings (none for earlier runs): the
-    kernels, the ORT session, the load average (1, 5 and 15 minutes) around the run."""
-    out = []
-    if speed.get("labels"):
-        out.append(f"Kernels: {kernels_text(speed['labels'])}.")
-    if speed.get("session_options"):
-        out.append(f"ORT session: {_session_text(speed['session_options'])}.")
-    if speed.get("loadavg"):
-        out.append(f"Load average (1/5/15 min): {_load_text(speed['loadavg'])}.")
-    return out
-
-
 def speed_markdown(speed: dict) -> list[str]:
     """The ``bench speed`` section of the report: decode table, notes, KV memory."""
     header, rows = speed_table(speed)
@@ -289,15 +227,15 @@ def _peer_notes(ps: dict) -> list[str]:
         out.append(f"tqexport kernels: {kernels_text(ps['systems'])}.")
     so = ps.get("session_options") or {}
     if so.get("tqexport"):
-        text = f"ORT sessions: tqexport {_session_text(so['tqexport'])}"
+        text = f"ORT sessions: tqexport {session_text(so['tqexport'])}"
         if so.get(GENAI):
             diffs = so.get("differences") or []
-            text += f"; {GENAI} {_session_text(so[GENAI])}" + (
+            text += f"; {GENAI} {session_text(so[GENAI])}" + (
                 f"; they differ in {'; '.join(diffs)}" if diffs else "; the same in each of these"
             )
         out.append(text + (f" ({so['note']})" if so.get("note") else "") + ".")
     if ps.get("loadavg"):
-        out.append(f"Load average (1/5/15 min) over the run: {_load_text(ps['loadavg'])}.")
+        out.append(f"Load average (1/5/15 min) over the run: {load_text(ps['loadavg'])}.")
     return out
 
 

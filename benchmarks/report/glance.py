@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from tqexport.bench.markdown import table as md_table
+from benchmarks.report.markdown import table as md_table
 from tqexport.safe_files import write_file
 from tqexport.spec.request import UNRECORDED_WEIGHTS
 
@@ -104,7 +104,8 @@ def update(text: str, results: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m tqexport.bench.glance README.md docs/report/results.json``: rewrite in place."""
+    """``python -m benchmarks.report.glance README.md docs/report/results.json``: rewrite the
+    page in place."""
     page, results = Path(argv[0]), json.loads(Path(argv[1]).read_text())
     write_file(page, update(page.read_text(), results))
     return 0

@@ -7,8 +7,9 @@ import os
 import platform
 from pathlib import Path
 
-from tqexport.bench import budget_report, speed_report
-from tqexport.bench.markdown import table as md_table
+from benchmarks.report import budget_report, speed_report
+from benchmarks.report.markdown import table as md_table
+from tqexport.bench.quality import with_deltas
 from tqexport.errors import TQExportError
 from tqexport.safe_files import check_output_file, write_figure, write_file
 
@@ -91,21 +92,6 @@ def quality_section(parts: list[dict], model: str) -> dict:
         "peer_note": note,
         "rows": with_deltas(merged, peer),
     }
-
-
-def with_deltas(quality: dict | None, peer: dict | None) -> list[dict]:
-    """Every quality row with its PPL change vs its own tool's baseline, ours first."""
-    rows = []
-    if quality:
-        base = quality["baseline"]["ppl"]
-        for r in [quality["baseline"], *quality["runs"]]:
-            rows.append({"tool": "tqexport", **r, "ppl_delta_pct": 100 * (r["ppl"] / base - 1)})
-    if peer:
-        base = next(r["ppl"] for r in peer["runs"] if r["kv_type"] == "f16")
-        for r in peer["runs"]:
-            rows.append({"tool": "llama.cpp", **r, "label": r["kv_type"],
-                         "ppl_delta_pct": 100 * (r["ppl"] / base - 1)})  # fmt: skip
-    return rows
 
 
 def _find(rows, tool, label):
@@ -410,7 +396,7 @@ def markdown(results: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
-#: the files that make a folder hold a report (``bench report -o`` replaces them only with --force)
+#: the files that make a folder hold a report (``-o`` replaces them only with --force)
 REPORT_FILES = ("results.json", "report.md")
 
 

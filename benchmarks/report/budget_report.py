@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tqexport.bench.markdown import table as md_table
+from benchmarks.report.markdown import table as md_table
 from tqexport.safe_files import write_figure
 
 #: the per-layer budget issue's goals: (window tokens, budget, perplexity change at most)
