@@ -297,12 +297,30 @@ def test_every_command_refuses_empty_values():
     from tqexport.cli import app
     from tqexport.options import Command
 
-    def commands(cmd):
+    def commands(cmd, path=""):
         subs = getattr(cmd, "commands", None)
-        return [c for s in subs.values() for c in commands(s)] if subs else [cmd]
+        if not subs:
+            return {path: cmd}
+        return {
+            k: c for n, s in subs.items() for k, c in commands(s, f"{path} {n}".strip()).items()
+        }
 
     found = commands(typer.main.get_command(app))
-    assert len(found) == 13 and all(isinstance(c, Command) for c in found), found
+    assert list(found) == [
+        "dtypes",
+        "plan",
+        "build",
+        "calibrate",
+        "parity",
+        "inspect",
+        "run",
+        "serve",
+        "engine",
+        "bench quality",
+        "bench speed",
+        "bench scale",
+    ]
+    assert all(isinstance(c, Command) for c in found.values()), found
 
 
 def combined(*args):
