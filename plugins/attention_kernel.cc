@@ -1,7 +1,7 @@
 // The attention work item, compiled once per instruction set (TQX_ISA names the namespace:
 // avx512, avx2 or base; the build passes the matching -march). Each item reads every slot it
 // needs once, straight from the paged blocks, decodes it into a small tile, and keeps an
-// online softmax per query row.
+// online softmax per query row. Its vector code is written against simd.h's primitives.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -14,6 +14,7 @@
 
 #include "attention.h"
 #include "decode.h"
+#include "simd.h"
 
 namespace tqx {
 namespace TQX_ISA {
@@ -47,133 +48,114 @@ inline float exp_neg(float x) {
   return x <= -87.0f ? 0.0f : p;
 }
 
-#if defined(__AVX512F__)
-// lane j = the sum of v[j]'s lanes (a transposing tree: about 3 shuffles and adds per vector)
-inline __m512 sum_lanes(const __m512* v) {
-  __m512 s1[8], s2[4];
-  for (int k = 0; k < 8; ++k)
-    s1[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
-                          _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  for (int k = 0; k < 4; ++k) {
-    const __m512d a = _mm512_castps_pd(s1[2 * k]), b = _mm512_castps_pd(s1[2 * k + 1]);
-    s2[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                          _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 s3a = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], 0x88),
-                                   _mm512_shuffle_f32x4(s2[0], s2[1], 0xDD));
-  const __m512 s3b = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], 0x88),
-                                   _mm512_shuffle_f32x4(s2[2], s2[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s3a, s3b, 0x88), _mm512_shuffle_f32x4(s3a, s3b, 0xDD));
-}
-
-inline __m512 dot_lanes(const float* x, const float* y, int d) {
-  __m512 s = _mm512_setzero_ps();
+// lanes of x . y (their sum: the dot product), over d floats
+inline simd::Floats dot_lanes(const float* x, const float* y, int d) {
+  using namespace simd;
+  Floats s = zero();
   int i = 0;
-  for (; i + 16 <= d; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i), s);
-  if (i < d) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (d - i)) - 1);
-    s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i), s);
-  }
+  for (; i + kLanes <= d; i += kLanes) s = fmadd(load(x + i), load(y + i), s);
+  if (i < d) s = fmadd(load_first(x + i, d - i), load_first(y + i, d - i), s);
   return s;
 }
 
-// out[j] = a[j] . b for j < n (b null: a[j] . a[j]), 16 keys per reduction
+// out[j] = a[j] . b for j < n (b null: a[j] . a[j]), kLanes keys per reduction
 inline void dots(const float* const* a, const float* b, int n, int d, float* out) {
-  for (int j = 0; j < n; j += 16) {
-    const int m = std::min(16, n - j);
-    __m512 v[16];
-    for (int k = 0; k < 16; ++k) {
+  using namespace simd;
+  for (int j = 0; j < n; j += kLanes) {
+    const int m = std::min(kLanes, n - j);
+    Floats v[kLanes];
+    for (int k = 0; k < kLanes; ++k) {
       const float* x = a[std::min(j + k, n - 1)];
-      v[k] = k < m ? dot_lanes(x, b ? b : x, d) : _mm512_setzero_ps();
+      v[k] = k < m ? dot_lanes(x, b ? b : x, d) : zero();
     }
-    _mm512_mask_storeu_ps(out + j, static_cast<__mmask16>((1u << m) - 1), sum_lanes(v));
+    store_first(out + j, sum_lanes(v), m);
   }
 }
 
-// Scores of a tile's keys stored as 4-bit codes in parts order (key[j]: key j's d / 2 bytes,
-// d a multiple of 32) against R query rows in parts order, and each key's squared norm: the
-// keys are decoded in registers, each read once for every row. out[r][j] = q[r] . key j.
-constexpr bool kFusedCodes4 = true;
+// Only the 16-lane kernel (AVX-512) scores and weighs 4-bit TurboQuant codes in registers
+// (score_codes4, accumulate_codes4); the narrower ones decode them into the tile first.
+constexpr bool kFusedCodes4 = simd::kLanes == 16;
 
+// Scores of a tile's keys stored as 4-bit codes in parts order (key[j]: key j's d / 2 bytes,
+// d a multiple of 2 * kLanes) against R query rows in parts order, and each key's squared
+// norm: the keys are decoded in registers, each read once for every row.
+// out[r][j] = q[r] . key j.
 // D: the head size when known at compile time (the rows' queries then stay in registers), or 0
 template <int R, int D>
 void score_codes4(const uint8_t* const* key, int nk, int d, const float* table,
                   const float* const* q, float* const* out, float* sumsq) {
+  using namespace simd;
   if (D) d = D;
   const int half = d / 2;
-  const __m512 t = _mm512_loadu_ps(table);
-  const __m512i mask = _mm512_set1_epi32(15);
-  constexpr int kHeld = D ? D / 16 : 1;
-  __m512 qv[R][kHeld];
+  const Table16 t = load_table16(table);
+  constexpr int kHeld = D ? D / kLanes : 1;
+  Floats qv[R][kHeld];
   for (int r = 0; D && r < R; ++r)
-    for (int i = 0; i < kHeld; ++i) qv[r][i] = _mm512_loadu_ps(q[r] + 16 * i);
-  auto query = [&](int r, int i) {  // 16 floats of row r from column i
-    return D ? qv[r][i / 16] : _mm512_loadu_ps(q[r] + i);
+    for (int i = 0; i < kHeld; ++i) qv[r][i] = load(q[r] + kLanes * i);
+  auto query = [&](int r, int i) {  // kLanes floats of row r from column i
+    return D ? qv[r][i / kLanes] : load(q[r] + i);
   };
-  for (int j0 = 0; j0 < nk; j0 += 16) {
-    const int m = std::min(16, nk - j0);
-    __m512 vs[R][16], vn[16];
-    for (int k = 0; k < 16; ++k) {
-      __m512 a[R], n = _mm512_setzero_ps();
-      for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+  for (int j0 = 0; j0 < nk; j0 += kLanes) {
+    const int m = std::min(kLanes, nk - j0);
+    Floats vs[R][kLanes], vn[kLanes];
+    for (int k = 0; k < kLanes; ++k) {
+      Floats a[R], n = zero();
+      for (int r = 0; r < R; ++r) a[r] = zero();
       if (k < m) {
         const uint8_t* c = key[j0 + k];
-        for (int i = 0; i < half; i += 16) {
-          const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i)));
-          const __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(x, mask), t);
-          const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), t);
-          n = _mm512_fmadd_ps(hi, hi, _mm512_fmadd_ps(lo, lo, n));
+        for (int i = 0; i < half; i += kLanes) {
+          const Ints x = widen_bytes(c + i);
+          const Floats lo = lookup(t, low_nibbles(x));
+          const Floats hi = lookup(t, high_nibbles(x));
+          n = fmadd(hi, hi, fmadd(lo, lo, n));
           for (int r = 0; r < R; ++r)
-            a[r] = _mm512_fmadd_ps(hi, query(r, half + i), _mm512_fmadd_ps(lo, query(r, i), a[r]));
+            a[r] = fmadd(hi, query(r, half + i), fmadd(lo, query(r, i), a[r]));
         }
       }
       vn[k] = n;
       for (int r = 0; r < R; ++r) vs[r][k] = a[r];
     }
     // out and sumsq hold whole tiles (kKeyTile floats): a full store forwards to the loads after
-    _mm512_storeu_ps(sumsq + j0, sum_lanes(vn));
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r] + j0, sum_lanes(vs[r]));
+    store(sumsq + j0, sum_lanes(vn));
+    for (int r = 0; r < R; ++r) store(out[r] + j0, sum_lanes(vs[r]));
   }
 }
 
 // acc[r] = acc[r] * corr[r] + sum_j w[r][j] * codes of value j (4-bit codes in parts order,
-// code[j]: value j's d / 2 bytes, d a multiple of 32) for R rows: 64 columns of every row stay
-// in registers while the tile's codes stream past.
+// code[j]: value j's d / 2 bytes, d a multiple of 2 * kLanes) for R rows: kHeld vectors of
+// columns of every row stay in registers while the tile's codes stream past.
 template <int R>
 void accumulate_codes4(float* const* acc, const float* corr, const float* const* w,
                        const uint8_t* const* code, int nk, int d) {
+  using namespace simd;
+  constexpr int kHeld = 4;
   const int half = d / 2;
-  const __m512i mask = _mm512_set1_epi32(15);
-  for (int c0 = 0; c0 < d; c0 += 64) {
-    const int nc = std::min(4, (d - c0) / 16);
-    __m512 a[R][4];
+  for (int c0 = 0; c0 < d; c0 += kHeld * kLanes) {
+    const int nc = std::min(kHeld, (d - c0) / kLanes);
+    Floats a[R][kHeld];
     for (int r = 0; r < R; ++r)
       for (int k = 0; k < nc; ++k)
-        a[r][k] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + c0 + 16 * k), _mm512_set1_ps(corr[r]));
+        a[r][k] = mul(load(acc[r] + c0 + kLanes * k), broadcast(corr[r]));
     for (int j = 0; j < nk; ++j) {
-      if (d == 64) {  // each byte load serves two columns: codes 0-15 | 32-47 and 16-31 | 48-63
-        const __m512i x0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code[j])));
-        const __m512i x1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code[j] + 16)));
-        const __m512 v[4] = {_mm512_cvtepi32_ps(_mm512_and_si512(x0, mask)),
-                             _mm512_cvtepi32_ps(_mm512_and_si512(x1, mask)),
-                             _mm512_cvtepi32_ps(_mm512_srli_epi32(x0, 4)),
-                             _mm512_cvtepi32_ps(_mm512_srli_epi32(x1, 4))};
+      if (d == kHeld * kLanes) {  // each byte load serves two vectors: low and high nibbles
+        const Ints x0 = widen_bytes(code[j]), x1 = widen_bytes(code[j] + kLanes);
+        const Floats v[kHeld] = {to_floats(low_nibbles(x0)), to_floats(low_nibbles(x1)),
+                                 to_floats(high_nibbles(x0)), to_floats(high_nibbles(x1))};
         for (int r = 0; r < R; ++r) {
-          const __m512 wr = _mm512_set1_ps(w[r][j]);
-          for (int k = 0; k < 4; ++k) a[r][k] = _mm512_fmadd_ps(wr, v[k], a[r][k]);
+          const Floats wr = broadcast(w[r][j]);
+          for (int k = 0; k < kHeld; ++k) a[r][k] = fmadd(wr, v[k], a[r][k]);
         }
         continue;
       }
       for (int k = 0; k < nc; ++k) {
-        const int c = c0 + 16 * k;
-        const __m512i x = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(code[j] + (c < half ? c : c - half))));
-        const __m512 v = _mm512_cvtepi32_ps(c < half ? _mm512_and_si512(x, mask) : _mm512_srli_epi32(x, 4));
-        for (int r = 0; r < R; ++r) a[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(w[r][j]), v, a[r][k]);
+        const int c = c0 + kLanes * k;
+        const Ints x = widen_bytes(code[j] + (c < half ? c : c - half));
+        const Floats v = to_floats(c < half ? low_nibbles(x) : high_nibbles(x));
+        for (int r = 0; r < R; ++r) a[r][k] = fmadd(broadcast(w[r][j]), v, a[r][k]);
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int k = 0; k < nc; ++k) _mm512_storeu_ps(acc[r] + c0 + 16 * k, a[r][k]);
+      for (int k = 0; k < nc; ++k) store(acc[r] + c0 + kLanes * k, a[r][k]);
   }
 }
 
@@ -209,57 +191,6 @@ inline void score_codes4_rows(const uint8_t* const* key, int nk, int d, const fl
     }
   }
 }
-#elif defined(__AVX2__)
-inline __m256 sum_lanes(const __m256* v) {
-  __m256 s1[4], s2[2];
-  for (int k = 0; k < 4; ++k)
-    s1[k] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * k], v[2 * k + 1]),
-                          _mm256_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  for (int k = 0; k < 2; ++k) {
-    const __m256d a = _mm256_castps_pd(s1[2 * k]), b = _mm256_castps_pd(s1[2 * k + 1]);
-    s2[k] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
-                          _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
-  }
-  return _mm256_add_ps(_mm256_permute2f128_ps(s2[0], s2[1], 0x20),
-                       _mm256_permute2f128_ps(s2[0], s2[1], 0x31));
-}
-
-inline void dots(const float* const* a, const float* b, int n, int d, float* out) {
-  for (int j = 0; j < n; j += 8) {
-    const int m = std::min(8, n - j);
-    __m256 v[8];
-    for (int k = 0; k < 8; ++k) {
-      v[k] = _mm256_setzero_ps();
-      if (k >= m) continue;
-      const float* x = a[j + k];
-      const float* y = b ? b : x;
-      for (int i = 0; i < d; i += 8)  // d: a multiple of 8
-        v[k] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), v[k]);
-    }
-    float r[8];
-    _mm256_storeu_ps(r, sum_lanes(v));
-    std::copy_n(r, m, out + j);
-  }
-}
-#else
-inline void dots(const float* const* a, const float* b, int n, int d, float* out) {
-  for (int j = 0; j < n; ++j) {
-    const float* x = a[j];
-    const float* y = b ? b : x;
-    float s = 0.0f;
-    for (int i = 0; i < d; ++i) s += x[i] * y[i];
-    out[j] = s;
-  }
-}
-#endif
-
-#if !defined(__AVX512F__)
-constexpr bool kFusedCodes4 = false;
-inline void score_codes4_rows(const uint8_t* const*, int, int, const float*, const float* const*,
-                              int, float* const*, float*) {}
-inline void accumulate_codes4_rows(float* const*, const float*, const float* const*, int,
-                                   const uint8_t* const*, int, int) {}
-#endif
 
 // acc[0, W) = acc * corr + sum_j p[j] * v_j (v_j = v + j * stride): the sums stay in registers
 template <int W>
@@ -342,26 +273,19 @@ struct Visible {
   uint8_t used[kKeyTile];
 };
 
+// the lane-wise maximum of N vectors from x, as a balanced tree
+template <int N>
+inline simd::Floats max_of_vectors(const float* x) {
+  if constexpr (N == 1)
+    return simd::load(x);
+  else
+    return simd::max(max_of_vectors<N / 2>(x), max_of_vectors<N - N / 2>(x + N / 2 * simd::kLanes));
+}
+
 // the largest of a tile's kKeyTile floats
 inline float tile_max(const float* x) {
-  static_assert(kKeyTile == 32, "tile_max reads 32 floats");
-#if defined(__AVX2__)
-#if defined(__AVX512F__)
-  const __m512 w = _mm512_max_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16));
-  const __m256 m = _mm256_max_ps(_mm512_castps512_ps256(w),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1)));
-#else
-  const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
-                                 _mm256_max_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
-#endif
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-#else
-  float m = x[0];
-  for (int j = 1; j < kKeyTile; ++j) m = x[j] > m ? x[j] : m;
-  return m;
-#endif
+  static_assert(kKeyTile % simd::kLanes == 0, "whole vectors per tile");
+  return simd::max_lane(max_of_vectors<kKeyTile / simd::kLanes>(x));
 }
 
 // A row's logits over a whole tile (kKeyTile lanes, so the loops vectorize): pr = score x kmul,
