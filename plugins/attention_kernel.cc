@@ -244,6 +244,11 @@ struct Rows {
   Rows(int n_, int d_)
       : n(n_), d(d_), q(size_t(n_) * d_), qm(size_t(n_) * d_), m(n_, kNegInf), l(n_, 0.0f),
         acc(size_t(n_) * d_, 0.0f), accm(size_t(n_) * d_, 0.0f) {}
+  // the rows' queries and row r's value sums as a segment of the layer's cache (main) or of
+  // the recent cache reads them
+  const float* queries(bool main) const { return main ? qm.data() : q.data(); }
+  const float* query(bool main, int r) const { return queries(main) + size_t(r) * d; }
+  float* sums(bool main, int r) { return (main ? accm : acc).data() + size_t(r) * d; }
 };
 
 struct Scratch {
@@ -310,129 +315,161 @@ inline float tile_exp(float* __restrict pr, const uint8_t* __restrict seen, floa
   return sum;
 }
 
-// One tile of keys p0 .. p0 + nk - 1 (token[j]: key j's slot for the item's first kv head, -1
-// where the sequence holds no such key; vis: which keys each query sees) for kv head hh of the
-// item, whose rows are r0 .. r0 + nr - 1: decode the keys, score the rows against them, decode
-// the values the rows use, accumulate them per row.
-template <Mode M>
-void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int nk,
-               const int64_t* token, int64_t hh, const Visible& vis, Rows& rows, int r0, int nr,
-               Scratch& sc) {
-  const Format& fmt = *src.format;
-  const int d = s.head_size, groups = s.num_heads / s.kv_heads;
-  const bool main = kind == Kind::Main;
-  float* ktile = sc.keys.data();
-  float* vtile = sc.values.data();
-  float kmul[kKeyTile] = {};  // 0 past the tile's keys: their scores are dropped
-  const float* krow[kKeyTile];
-  const bool corrected = tile_norm_correction(fmt);
-  // 4-bit TurboQuant keys scored from their codes (score_codes4), never written to the tile
-  const bool fused = M == Mode::TURBOQUANT && kFusedCodes4 && fmt.key_parts() && d % 32 == 0;
-  const uint8_t* kcodes[kKeyTile];
+// A tile's keys for one kv head as the rows score them: key j's slot, its floats (decoded
+// into the tile or read in place) or its 4-bit codes, and what its scores are multiplied by.
+// Past the tile's keys, and where the sequence holds no key j: multiplier 0 and a finite row
+// (those scores are dropped).
+struct TileKeys {
   int64_t th[kKeyTile];
-  bool real[kKeyTile];
-  bool any_real = false;
+  const float* row[kKeyTile];
+  const uint8_t* codes[kKeyTile];
+  float mul[kKeyTile] = {};
+};
+
+// The tile's keys for kv head hh of the item (token[j]: key j's slot at the item's first kv
+// head, -1 where the sequence holds none); those neither read in place nor scored from their
+// codes are decoded into `tile`. False when the sequence holds none of them.
+template <Mode M>
+bool gather_keys(const AttentionStep& s, const PagedSource& src, int nk, const int64_t* token,
+                 int64_t hh, bool from_codes, float* tile, TileKeys& keys) {
+  const Format& fmt = *src.format;
+  const int d = s.head_size;
+  bool any = false;
   for (int j = 0; j < nk; ++j) {
-    real[j] = token[j] >= 0;
-    th[j] = token[j] + hh;
-    kmul[j] = 0.0f;
-    krow[j] = kZeroRow;  // keys that are not real: any finite row (their scores are dropped)
-    kcodes[j] = kZeroCodes;
-    if (!real[j]) continue;
-    any_real = true;
-    if (fused) {
-      const uint8_t* slot = src.view.data[0] + th[j] * fmt.layout->slot_size_aligned;
-      kcodes[j] = slot;
-      kmul[j] = get_half(slot + fmt.layout->key_norm_offset) * s.scale;
+    const int64_t th = keys.th[j] = token[j] + hh;
+    keys.row[j] = kZeroRow;
+    keys.codes[j] = kZeroCodes;
+    if (token[j] < 0) continue;
+    any = true;
+    if (from_codes) {
+      const uint8_t* slot = src.view.data[0] + th * fmt.layout->slot_size_aligned;
+      keys.codes[j] = slot;
+      keys.mul[j] = get_half(slot + fmt.layout->key_norm_offset) * s.scale;
       continue;
     }
-    if (const float* row = cache_row<M>(fmt, src.view, 0, th[j])) {
-      krow[j] = row;
-      kmul[j] = s.scale;
+    if (const float* row = cache_row<M>(fmt, src.view, 0, th)) {
+      keys.row[j] = row;
+      keys.mul[j] = s.scale;
       continue;
     }
-    krow[j] = ktile + size_t(j) * d;
-    kmul[j] = decode_key<M>(fmt, src.view, th[j], ktile + size_t(j) * d) * s.scale;
+    keys.row[j] = tile + size_t(j) * d;
+    keys.mul[j] = decode_key<M>(fmt, src.view, th, tile + size_t(j) * d) * s.scale;
   }
-  if (!any_real) return;
-  float sumsq[kKeyTile];
-  for (int r = r0; fused && r < r0 + nr; r += kFusedRows) {
+  return any;
+}
+
+// Scores of rows r0 .. r0 + nr - 1 against the tile's 4-bit key codes, and each key's squared
+// norm (sumsq)
+void score_key_codes(const Format& fmt, const TileKeys& keys, int nk, int d,
+                     const float* queries, int r0, int nr, Scratch& sc, float* sumsq) {
+  for (int r = r0; r < r0 + nr; r += kFusedRows) {
     const int n = std::min(kFusedRows, r0 + nr - r);
     const float* qs[kFusedRows];
     float* out[kFusedRows];
     for (int i = 0; i < n; ++i) {
-      qs[i] = main ? &rows.qm[size_t(r + i) * d] : &rows.q[size_t(r + i) * d];
+      qs[i] = queries + size_t(r + i) * d;
       out[i] = &sc.scores[size_t(r + i) * kKeyTile];
     }
-    score_codes4_rows(kcodes, nk, d, fmt.key_book->centroids, qs, n, out, sumsq);
+    score_codes4_rows(keys.codes, nk, d, fmt.key_book->centroids, qs, n, out, sumsq);
   }
-  if (corrected) {  // norm correction of the tile's keys at once: scale / |decoded key|
-    if (!fused) dots(krow, nullptr, nk, d, sumsq);
-    for (int j = nk; j < kKeyTile; ++j) sumsq[j] = 1.0f;
-    for (int j = 0; j < kKeyTile; ++j) kmul[j] = kmul[j] / std::sqrt(sumsq[j] + gen::kNcEps);
-  }
-  const uint8_t* used = vis.used;
+}
+
+// TurboQuant norm correction of the tile's keys at once: each multiplier divided by its decoded
+// key's norm (sumsq: the squared norms, computed here unless scoring from codes gave them)
+void correct_norms(TileKeys& keys, int nk, int d, bool have_sumsq, float* sumsq) {
+  if (!have_sumsq) dots(keys.row, nullptr, nk, d, sumsq);
+  for (int j = nk; j < kKeyTile; ++j) sumsq[j] = 1.0f;
+  for (int j = 0; j < kKeyTile; ++j) keys.mul[j] = keys.mul[j] / std::sqrt(sumsq[j] + gen::kNcEps);
+}
+
+// Folds a row's scores of one tile (pr) into its running max m and sum l; pr becomes the keys'
+// weights. Returns the factor the row's earlier sums are to be scaled by.
+inline float fold_tile(float& m, float& l, float* pr, const float* kmul, const uint8_t* seen,
+                       float softcap) {
+  const float m_new = std::max(m, tile_logits(pr, kmul, seen, softcap));
+  // the running max rarely moves after the first tiles: no exponential then
+  const float corr = m == m_new ? 1.0f : m == kNegInf ? 0.0f : exp_neg(m - m_new);
+  const float sum = tile_exp(pr, seen, m_new);
+  l = l * corr + sum;
+  m = m_new;
+  return corr;
+}
+
+// Scores rows r0 .. r0 + nr - 1 against the tile's keys (unless scored from their codes) and
+// folds them into each row's softmax; rows that see none of the keys are not live.
+void softmax_rows(const AttentionStep& s, const TileKeys& keys, int nk, bool scored, bool main,
+                  const Visible& vis, Rows& rows, int r0, int nr, Scratch& sc) {
+  const int d = s.head_size, groups = s.num_heads / s.kv_heads;
   for (int r = r0; r < r0 + nr; ++r) {
     const int tq = (r - r0) / groups;
-    const float* q = main ? &rows.qm[size_t(r) * d] : &rows.q[size_t(r) * d];
     float* pr = &sc.scores[size_t(r) * kKeyTile];
-    const uint8_t* sn = vis.seen[tq];
     sc.live[r] = vis.any[tq];
     if (!vis.any[tq]) continue;
-    if (!fused) dots(krow, q, nk, d, pr);  // keys a row does not see: any value, dropped below
-    const float m_new = std::max(rows.m[r], tile_logits(pr, kmul, sn, s.softcap));
-    // the running max rarely moves after the first tiles: no exponential then
-    const float corr = rows.m[r] == m_new ? 1.0f
-                       : rows.m[r] == kNegInf ? 0.0f
-                                              : exp_neg(rows.m[r] - m_new);
-    const float sum = tile_exp(pr, sn, m_new);
-    rows.l[r] = rows.l[r] * corr + sum;
-    rows.m[r] = m_new;
+    if (!scored) dots(keys.row, rows.query(main, r), nk, d, pr);  // unseen keys: dropped below
+    const float corr = fold_tile(rows.m[r], rows.l[r], pr, keys.mul, vis.seen[tq], s.softcap);
     sc.corr[r] = corr;  // applied to this segment's sums as they accumulate; the other's now:
     if (corr != 1.0f && s.recent.table) {
-      float* other = main ? &rows.acc[size_t(r) * d] : &rows.accm[size_t(r) * d];
+      float* other = rows.sums(!main, r);
       for (int i = 0; i < d; ++i) other[i] *= corr;
     }
   }
-  ValueRuns runs;
-  const int64_t stride = int64_t(s.kv_heads) * d;
-  const bool affine = value_codes_affine<M>(fmt);
+}
+
+// Weighs the tile's 4-bit affine value codes (TurboQuant, one group) into the live rows' sums
+// straight from the codes, never decoded to the tile (th: the keys' slots)
+void weigh_value_codes(const AttentionStep& s, const PagedSource& src, int nk,
+                       const int64_t* th, const uint8_t* used, bool main, Rows& rows, int r0,
+                       int nr, const Scratch& sc) {
+  const auto& lay = *src.format->layout;
+  const int d = s.head_size;
+  const uint8_t* vcodes[kKeyTile];
   float vscale[kKeyTile], voffset[kKeyTile];
-  if (M == Mode::TURBOQUANT && kFusedCodes4 && fmt.value_parts() && d % 32 == 0) {
-    // 4-bit affine values weighed from their codes (accumulate_codes4), never decoded to the tile
-    const auto& lay = *fmt.layout;
-    const uint8_t* vcodes[kKeyTile];
-    for (int j = 0; j < nk; ++j) {  // keys no row sees weigh 0 (their codes: any finite ones)
-      const uint8_t* slot = used[j] ? src.view.data[0] + th[j] * lay.slot_size_aligned : nullptr;
-      vcodes[j] = slot ? slot + lay.value_offset : kZeroCodes;
-      vscale[j] = slot ? get_half(slot + lay.value_params_offset) : 0.0f;
-      voffset[j] = slot ? get_half(slot + lay.value_params_offset + 2) : 0.0f;
-    }
-    for (int r = r0; r < r0 + nr;) {
-      float* acc[kFusedRows];
-      float corr[kFusedRows], offset[kFusedRows] = {}, w[kFusedRows][kKeyTile];
-      const float* wr[kFusedRows];
-      int n = 0;
-      for (; r < r0 + nr && n < kFusedRows; ++r) {
-        if (!sc.live[r]) continue;
-        const float* p = &sc.scores[size_t(r) * kKeyTile];
-        for (int j = 0; j < nk; ++j) {  // sum_j p_j (c_j s_j + o_j) = sum_j (p_j s_j) c_j + ...
-          w[n][j] = p[j] * vscale[j];
-          offset[n] += p[j] * voffset[j];
-        }
-        acc[n] = main ? &rows.accm[size_t(r) * d] : &rows.acc[size_t(r) * d];
-        corr[n] = sc.corr[r];
-        wr[n] = w[n];
-        ++n;
-      }
-      if (n == 0) continue;
-      accumulate_codes4_rows(acc, corr, wr, n, vcodes, nk, d);
-      for (int i = 0; i < n; ++i)
-        for (int c = 0; c < d; ++c) acc[i][c] += offset[i];
-    }
-    return;
+  for (int j = 0; j < nk; ++j) {  // keys no row sees weigh 0 (their codes: any finite ones)
+    const uint8_t* slot = used[j] ? src.view.data[0] + th[j] * lay.slot_size_aligned : nullptr;
+    vcodes[j] = slot ? slot + lay.value_offset : kZeroCodes;
+    vscale[j] = slot ? get_half(slot + lay.value_params_offset) : 0.0f;
+    voffset[j] = slot ? get_half(slot + lay.value_params_offset + 2) : 0.0f;
   }
-  for (int j = 0; j < nk; ++j) {  // keys no row sees weigh 0: their values must be finite
+  for (int r = r0; r < r0 + nr;) {
+    float* acc[kFusedRows];
+    float corr[kFusedRows], offset[kFusedRows] = {}, w[kFusedRows][kKeyTile];
+    const float* wr[kFusedRows];
+    int n = 0;
+    for (; r < r0 + nr && n < kFusedRows; ++r) {
+      if (!sc.live[r]) continue;
+      const float* p = &sc.scores[size_t(r) * kKeyTile];
+      for (int j = 0; j < nk; ++j) {  // sum_j p_j (c_j s_j + o_j) = sum_j (p_j s_j) c_j + ...
+        w[n][j] = p[j] * vscale[j];
+        offset[n] += p[j] * voffset[j];
+      }
+      acc[n] = rows.sums(main, r);
+      corr[n] = sc.corr[r];
+      wr[n] = w[n];
+      ++n;
+    }
+    if (n == 0) continue;
+    accumulate_codes4_rows(acc, corr, wr, n, vcodes, nk, d);
+    for (int i = 0; i < n; ++i)
+      for (int c = 0; c < d; ++c) acc[i][c] += offset[i];
+  }
+}
+
+// The tile's values as the rows weigh them: runs read in place, the others in the tile (affine
+// formats: their codes, with a scale and offset per key)
+struct TileValues {
+  ValueRuns runs;
+  float scale[kKeyTile], offset[kKeyTile];
+};
+
+// Finds the values of the keys the rows use (th: their slots), decoding those not read in place
+// into `tile`; keys no row uses weigh 0, so their rows in the tile are zeros (finite).
+template <Mode M>
+void gather_values(const AttentionStep& s, const PagedSource& src, int nk, const int64_t* th,
+                   const uint8_t* used, bool affine, float* tile, TileValues& values) {
+  const Format& fmt = *src.format;
+  const int d = s.head_size;
+  ValueRuns& runs = values.runs;
+  for (int j = 0; j < nk; ++j) {
     const float* row = used[j] ? cache_row<M>(fmt, src.view, 1, th[j]) : nullptr;
     const float* last = runs.n ? runs.base[runs.n - 1] : nullptr;
     const bool joins = runs.n && (row ? last && th[j] == th[j - 1] + s.kv_heads : !last);
@@ -441,28 +478,38 @@ void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int nk
       runs.base[runs.n++] = row;
     }
     if (row) continue;
-    vscale[j] = 1.0f;
-    voffset[j] = 0.0f;
+    values.scale[j] = 1.0f;
+    values.offset[j] = 0.0f;
+    float* out = tile + size_t(j) * d;
     if (!used[j])
-      std::fill_n(vtile + size_t(j) * d, d, 0.0f);
+      std::fill_n(out, d, 0.0f);
     else if (affine)
-      decode_value_codes<M>(fmt, src.view, th[j], vtile + size_t(j) * d, vscale[j], voffset[j]);
+      decode_value_codes<M>(fmt, src.view, th[j], out, values.scale[j], values.offset[j]);
     else
-      decode_value<M>(fmt, src.view, th[j], vtile + size_t(j) * d);
+      decode_value<M>(fmt, src.view, th[j], out);
   }
   runs.start[runs.n] = nk;
+}
+
+// Adds the weighted values to the live rows' sums (scaled first by the row's correction)
+void accumulate_values(const AttentionStep& s, const TileValues& values, int nk, bool affine,
+                       const float* tile, bool main, Rows& rows, int r0, int nr,
+                       const Scratch& sc) {
+  const int d = s.head_size;
+  const int64_t stride = int64_t(s.kv_heads) * d;
+  const ValueRuns& runs = values.runs;
   for (int r = r0; r < r0 + nr; ++r) {
     if (!sc.live[r]) continue;
-    float* acc = main ? &rows.accm[size_t(r) * d] : &rows.acc[size_t(r) * d];
+    float* acc = rows.sums(main, r);
     const float* p = &sc.scores[size_t(r) * kKeyTile];
     float corr = sc.corr[r];
     if (affine) {  // sum_j p_j (c_j s_j + o_j) = sum_j (p_j s_j) c_j + sum_j p_j o_j
       float w[kKeyTile], offset = 0.0f;
       for (int j = 0; j < nk; ++j) {
-        w[j] = p[j] * vscale[j];
-        offset += p[j] * voffset[j];
+        w[j] = p[j] * values.scale[j];
+        offset += p[j] * values.offset[j];
       }
-      accumulate_row(acc, corr, w, vtile, nk, d, d);
+      accumulate_row(acc, corr, w, tile, nk, d, d);
       for (int i = 0; i < d; ++i) acc[i] += offset;
       continue;
     }
@@ -471,9 +518,39 @@ void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int nk
       if (runs.base[k])
         accumulate_row(acc, corr, p + a, runs.base[k], n, d, stride);
       else
-        accumulate_row(acc, corr, p + a, vtile + size_t(a) * d, n, d, d);
+        accumulate_row(acc, corr, p + a, tile + size_t(a) * d, n, d, d);
     }
   }
+}
+
+// One tile of keys p0 .. p0 + nk - 1 (token[j]: key j's slot for the item's first kv head, -1
+// where the sequence holds no such key; vis: which keys each query sees) for kv head hh of the
+// item, whose rows are r0 .. r0 + nr - 1: find and decode the keys, score the rows against them
+// and fold the scores into each row's softmax, then weigh the values the rows use into their
+// sums. 4-bit TurboQuant keys and values are read from their codes where kFusedCodes4.
+template <Mode M>
+void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int nk,
+               const int64_t* token, int64_t hh, const Visible& vis, Rows& rows, int r0, int nr,
+               Scratch& sc) {
+  const Format& fmt = *src.format;
+  const int d = s.head_size;
+  const bool main = kind == Kind::Main;
+  const bool codes4 = M == Mode::TURBOQUANT && kFusedCodes4 && d % (2 * simd::kLanes) == 0;
+  const bool key_codes = codes4 && fmt.key_parts();
+  TileKeys keys;
+  if (!gather_keys<M>(s, src, nk, token, hh, key_codes, sc.keys.data(), keys)) return;
+  float sumsq[kKeyTile];
+  if (key_codes) score_key_codes(fmt, keys, nk, d, rows.queries(main), r0, nr, sc, sumsq);
+  if (tile_norm_correction(fmt)) correct_norms(keys, nk, d, key_codes, sumsq);
+  softmax_rows(s, keys, nk, key_codes, main, vis, rows, r0, nr, sc);
+  if (codes4 && fmt.value_parts()) {
+    weigh_value_codes(s, src, nk, keys.th, vis.used, main, rows, r0, nr, sc);
+    return;
+  }
+  const bool affine = value_codes_affine<M>(fmt);
+  TileValues values;
+  gather_values<M>(s, src, nk, keys.th, vis.used, affine, sc.values.data(), values);
+  accumulate_values(s, values, nk, affine, sc.values.data(), main, rows, r0, nr, sc);
 }
 
 // One segment's keys [lo, hi] for the rows of an item, format M: per tile of keys, each kv head
