@@ -553,6 +553,38 @@ void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int nk
   accumulate_values(s, values, nk, affine, sc.values.data(), main, rows, r0, nr, sc);
 }
 
+// Keys [first, last] of a sequence (none where first > last)
+struct KeySpan {
+  int64_t first, last;
+};
+
+// The keys a query at `position` sees in a segment: those before it and within the sliding
+// window; of them the recent cache holds the sink tokens and the last recent_window positions,
+// the layer's cache the others (ops.cc takes sink tokens only with a recent window).
+inline KeySpan visible_keys(const AttentionStep& s, Kind kind, int64_t position) {
+  const int64_t in_window =
+      s.window ? position - s.window + 1 : std::numeric_limits<int64_t>::min();
+  switch (kind) {
+    case Kind::Main:
+      return {std::max(in_window, s.sink_tokens),
+              s.recent_window ? position - s.recent_window : position};
+    case Kind::Recent:
+      if (!s.recent_window) return {0, -1};
+      return {std::max({in_window, s.sink_tokens, position - s.recent_window + 1}), position};
+    case Kind::Sink:
+      return {in_window, std::min(position, s.sink_tokens - 1)};
+  }
+  return {0, -1};
+}
+
+// The keys any query of an item sees in a segment, positions pmin .. pmax (both bounds of the
+// rule grow with the position), cut to the sequence's seq_len keys
+inline KeySpan item_keys(const AttentionStep& s, Kind kind, int64_t pmin, int64_t pmax,
+                         int64_t seq_len) {
+  return {std::max<int64_t>(0, visible_keys(s, kind, pmin).first),
+          std::min(seq_len - 1, visible_keys(s, kind, pmax).last)};
+}
+
 // One segment's keys [lo, hi] for the rows of an item, format M: per tile of keys, each kv head
 // of the item in turn (a token's heads are adjacent in the cache: the tile's slots are read
 // front to back).
@@ -577,22 +609,8 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
     }
   };
   const int queries = static_cast<int>(it.q1 - it.q0);
-  // the keys [first, last] each query sees in this segment
-  int64_t first[kQueryBlockRows], last[kQueryBlockRows];
-  for (int tq = 0; tq < queries; ++tq) {
-    const int64_t P = pos[tq];
-    const int64_t wlo = s.window ? P - s.window + 1 : std::numeric_limits<int64_t>::min();
-    first[tq] = wlo;
-    last[tq] = P;
-    if (kind == Kind::Main) {
-      first[tq] = std::max(wlo, s.sink_tokens);
-      if (s.recent_window) last[tq] = P - s.recent_window;
-    } else if (kind == Kind::Recent) {
-      first[tq] = std::max({wlo, s.sink_tokens, P - s.recent_window + 1});
-    } else {
-      last[tq] = std::min(P, s.sink_tokens - 1);
-    }
-  }
+  KeySpan seen_by[kQueryBlockRows];
+  for (int tq = 0; tq < queries; ++tq) seen_by[tq] = visible_keys(s, kind, pos[tq]);
   int64_t token[kKeyTile], next[kKeyTile];
   Visible vis;
   for (int64_t p0 = lo; p0 <= hi; p0 += kKeyTile) {
@@ -610,7 +628,7 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
     }
     std::fill_n(vis.used, kKeyTile, uint8_t(0));
     for (int tq = 0; tq < queries; ++tq) {  // shared by the query's heads
-      const int64_t a = first[tq], b = last[tq];
+      const int64_t a = seen_by[tq].first, b = seen_by[tq].last;
       uint8_t* seen = vis.seen[tq];
       int any = 0;
       for (int j = 0; j < kKeyTile; ++j) {
@@ -666,19 +684,11 @@ void run_item(const AttentionStep& s, const Item& it, float* partial) {
   std::vector<int64_t> pos(s.positions + it.q0, s.positions + it.q1);
   const int64_t pmin = *std::min_element(pos.begin(), pos.end());
   const int64_t pmax = *std::max_element(pos.begin(), pos.end());
-  // each segment's keys for these queries: [lo, hi], then cut to the item's split
-  const int64_t last = std::min(s.seq_lens[it.seq] - 1, pmax);
-  const int64_t wlo = s.window ? std::max<int64_t>(0, pmin - s.window + 1) : 0;
-  const int64_t n_recent = s.recent_window, sinks = s.sink_tokens;
-  const int64_t lo[3] = {std::max(wlo, n_recent ? sinks : int64_t(0)),
-                         std::max({wlo, sinks, pmin - n_recent + 1}), wlo};
-  const int64_t hi[3] = {n_recent ? std::min(last, pmax - n_recent) : last,
-                         n_recent ? last : -1, sinks ? std::min(last, sinks - 1) : -1};
-  const Kind kinds[3] = {Kind::Main, Kind::Recent, Kind::Sink};
   Scratch sc(n, d);
-  for (int g = 0; g < 3; ++g) {
-    const int64_t a = std::max(lo[g], it.k0), b = std::min(hi[g], it.k1 - 1);
-    if (a <= b) segment(s, it, kinds[g], a, b, pos.data(), rows, sc);
+  for (const Kind kind : {Kind::Main, Kind::Recent, Kind::Sink}) {
+    const KeySpan keys = item_keys(s, kind, pmin, pmax, s.seq_lens[it.seq]);
+    const int64_t a = std::max(keys.first, it.k0), b = std::min(keys.last, it.k1 - 1);
+    if (a <= b) segment(s, it, kind, a, b, pos.data(), rows, sc);
   }
   if (!partial) {
     for (int r = 0; r < n; ++r)
