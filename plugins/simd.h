@@ -3,6 +3,18 @@
 // lane, plain floats and ints the compiler vectorizes as far as SSE2 goes). The algorithm code
 // is written once against these names; every ISA conditional of the kernel is here.
 // Included only by the per-ISA kernel, so these functions live in its namespace (TQX_ISA).
+//
+//   kLanes, Floats, Ints         lanes of a vector; kLanes floats; kLanes int32s
+//   zero, broadcast, load, store, mul, fmadd (a * b + c), max (a > b ? a : b, per lane)
+//   load_first, store_first      lanes [0, n) only (n <= kLanes); loaded: the others 0
+//   max_lane                     the largest lane of a vector
+//   sum_lanes                    of kLanes vectors v: lane j = the sum of v[j]'s lanes
+//   widen_bytes                  kLanes bytes, one per lane
+//   low_nibbles, high_nibbles    of widened bytes; to_floats: int32 lanes to float
+//   packed_codes4(codes, i)      4-bit codes i .. i + kLanes - 1 of a packed run (code 2k: the
+//                                low nibble of byte k)
+//   Table16, load_table16, lookup  16 floats, looked up by 4-bit index per lane
+//   half_to_float                fp16 bits to float, exact
 #pragma once
 
 #ifndef TQX_ISA
@@ -23,7 +35,6 @@ namespace TQX_ISA {
 namespace simd {
 
 #if defined(__AVX2__)
-// the largest of m's lanes
 inline float max_lane(__m256 m) {
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
@@ -42,10 +53,8 @@ inline Floats zero() { return _mm512_setzero_ps(); }
 inline Floats broadcast(float x) { return _mm512_set1_ps(x); }
 inline Floats load(const float* p) { return _mm512_loadu_ps(p); }
 inline void store(float* p, Floats v) { _mm512_storeu_ps(p, v); }
-// lanes [0, n) of p (n <= kLanes), the others 0; and the store of lanes [0, n)
 inline Floats load_first(const float* p, int n) { return _mm512_maskz_loadu_ps(first_lanes(n), p); }
 inline void store_first(float* p, Floats v, int n) { _mm512_mask_storeu_ps(p, first_lanes(n), v); }
-inline Floats add(Floats a, Floats b) { return _mm512_add_ps(a, b); }
 inline Floats mul(Floats a, Floats b) { return _mm512_mul_ps(a, b); }
 inline Floats fmadd(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c); }
 inline Floats max(Floats a, Floats b) { return _mm512_max_ps(a, b); }
@@ -54,14 +63,12 @@ inline float max_lane(Floats v) {
                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
 }
 
-// kLanes bytes from p, one per int32 lane
 inline Ints widen_bytes(const uint8_t* p) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 inline Ints low_nibbles(Ints bytes) { return _mm512_and_si512(bytes, _mm512_set1_epi32(15)); }
 inline Ints high_nibbles(Ints bytes) { return _mm512_srli_epi32(bytes, 4); }
 inline Floats to_floats(Ints x) { return _mm512_cvtepi32_ps(x); }
-// 4-bit codes i .. i + kLanes - 1 of a packed run (code 2k: the low nibble of byte k; i even)
 inline Ints packed_codes4(const uint8_t* codes, int i) {
   const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i / 2));
   const Ints bytes = _mm512_cvtepu8_epi32(eight);
@@ -72,7 +79,7 @@ inline Ints packed_codes4(const uint8_t* codes, int i) {
       _mm512_set1_epi32(15));
 }
 
-// 16 floats looked up by 4-bit index: one permute
+// one permute
 struct Table16 {
   __m512 t;
 };
@@ -81,8 +88,7 @@ inline Floats lookup(const Table16& table, Ints index) {
   return _mm512_permutexvar_ps(index, table.t);
 }
 
-// lane j = the sum of v[j]'s lanes, for kLanes vectors (a transposing tree: about 3 shuffles
-// and adds per vector)
+// a transposing tree: about 3 shuffles and adds per vector
 inline Floats sum_lanes(const Floats* v) {
   __m512 s1[8], s2[4];
   for (int k = 0; k < 8; ++k)
@@ -119,7 +125,6 @@ inline void store_first(float* p, Floats v, int n) {
   _mm256_storeu_ps(lanes, v);
   std::copy_n(lanes, n, p);
 }
-inline Floats add(Floats a, Floats b) { return _mm256_add_ps(a, b); }
 inline Floats mul(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
 inline Floats fmadd(Floats a, Floats b, Floats c) { return _mm256_fmadd_ps(a, b, c); }
 inline Floats max(Floats a, Floats b) { return _mm256_max_ps(a, b); }
@@ -139,8 +144,7 @@ inline Ints packed_codes4(const uint8_t* codes, int i) {
                           _mm256_set1_epi32(15));
 }
 
-// 16 floats looked up by 4-bit index: a permute in each half, bit 3 of the index picks the
-// half (blendv reads the sign bit)
+// a permute in each half; bit 3 of the index picks the half (blendv reads the sign bit)
 struct Table16 {
   __m256 low, high;
 };
@@ -180,7 +184,6 @@ inline Floats load_first(const float* p, int n) { return n > 0 ? *p : 0.0f; }
 inline void store_first(float* p, Floats v, int n) {
   if (n > 0) *p = v;
 }
-inline Floats add(Floats a, Floats b) { return a + b; }
 inline Floats mul(Floats a, Floats b) { return a * b; }
 inline Floats fmadd(Floats a, Floats b, Floats c) { return a * b + c; }
 inline Floats max(Floats a, Floats b) { return a > b ? a : b; }
@@ -203,7 +206,6 @@ inline Floats lookup(const Table16& table, Ints index) { return table.t[index]; 
 inline Floats sum_lanes(const Floats* v) { return v[0]; }
 #endif
 
-// fp16 bits -> float, exact (F16C where the kernel's ISA has it)
 inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
   return _cvtsh_ss(h);
