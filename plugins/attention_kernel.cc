@@ -1,7 +1,7 @@
 // The attention work item, compiled once per instruction set (TQX_ISA names the namespace:
 // avx512, avx2 or base; the build passes the matching -march). Each item reads every slot it
 // needs once, straight from the paged blocks, decodes it into a small tile, and keeps an
-// online softmax per query row.
+// online softmax per query row. Its vector code is written against simd.h's primitives.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -14,6 +14,7 @@
 
 #include "attention.h"
 #include "decode.h"
+#include "simd.h"
 
 namespace tqx {
 namespace TQX_ISA {
@@ -47,133 +48,114 @@ inline float exp_neg(float x) {
   return x <= -87.0f ? 0.0f : p;
 }
 
-#if defined(__AVX512F__)
-// lane j = the sum of v[j]'s lanes (a transposing tree: about 3 shuffles and adds per vector)
-inline __m512 sum_lanes(const __m512* v) {
-  __m512 s1[8], s2[4];
-  for (int k = 0; k < 8; ++k)
-    s1[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
-                          _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  for (int k = 0; k < 4; ++k) {
-    const __m512d a = _mm512_castps_pd(s1[2 * k]), b = _mm512_castps_pd(s1[2 * k + 1]);
-    s2[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                          _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 s3a = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], 0x88),
-                                   _mm512_shuffle_f32x4(s2[0], s2[1], 0xDD));
-  const __m512 s3b = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], 0x88),
-                                   _mm512_shuffle_f32x4(s2[2], s2[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s3a, s3b, 0x88), _mm512_shuffle_f32x4(s3a, s3b, 0xDD));
-}
-
-inline __m512 dot_lanes(const float* x, const float* y, int d) {
-  __m512 s = _mm512_setzero_ps();
+// lanes of x . y (their sum: the dot product), over d floats
+inline simd::Floats dot_lanes(const float* x, const float* y, int d) {
+  using namespace simd;
+  Floats s = zero();
   int i = 0;
-  for (; i + 16 <= d; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i), s);
-  if (i < d) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (d - i)) - 1);
-    s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i), s);
-  }
+  for (; i + kLanes <= d; i += kLanes) s = fmadd(load(x + i), load(y + i), s);
+  if (i < d) s = fmadd(load_first(x + i, d - i), load_first(y + i, d - i), s);
   return s;
 }
 
-// out[j] = a[j] . b for j < n (b null: a[j] . a[j]), 16 keys per reduction
+// out[j] = a[j] . b for j < n (b null: a[j] . a[j]), kLanes keys per reduction
 inline void dots(const float* const* a, const float* b, int n, int d, float* out) {
-  for (int j = 0; j < n; j += 16) {
-    const int m = std::min(16, n - j);
-    __m512 v[16];
-    for (int k = 0; k < 16; ++k) {
+  using namespace simd;
+  for (int j = 0; j < n; j += kLanes) {
+    const int m = std::min(kLanes, n - j);
+    Floats v[kLanes];
+    for (int k = 0; k < kLanes; ++k) {
       const float* x = a[std::min(j + k, n - 1)];
-      v[k] = k < m ? dot_lanes(x, b ? b : x, d) : _mm512_setzero_ps();
+      v[k] = k < m ? dot_lanes(x, b ? b : x, d) : zero();
     }
-    _mm512_mask_storeu_ps(out + j, static_cast<__mmask16>((1u << m) - 1), sum_lanes(v));
+    store_first(out + j, sum_lanes(v), m);
   }
 }
 
-// Scores of a tile's keys stored as 4-bit codes in parts order (key[j]: key j's d / 2 bytes,
-// d a multiple of 32) against R query rows in parts order, and each key's squared norm: the
-// keys are decoded in registers, each read once for every row. out[r][j] = q[r] . key j.
-constexpr bool kFusedCodes4 = true;
+// Only the 16-lane kernel (AVX-512) scores and weighs 4-bit TurboQuant codes in registers
+// (score_codes4, accumulate_codes4); the narrower ones decode them into the tile first.
+constexpr bool kFusedCodes4 = simd::kLanes == 16;
 
+// Scores of a tile's keys stored as 4-bit codes in parts order (key[j]: key j's d / 2 bytes,
+// d a multiple of 2 * kLanes) against R query rows in parts order, and each key's squared
+// norm: the keys are decoded in registers, each read once for every row.
+// out[r][j] = q[r] . key j.
 // D: the head size when known at compile time (the rows' queries then stay in registers), or 0
 template <int R, int D>
 void score_codes4(const uint8_t* const* key, int nk, int d, const float* table,
                   const float* const* q, float* const* out, float* sumsq) {
+  using namespace simd;
   if (D) d = D;
   const int half = d / 2;
-  const __m512 t = _mm512_loadu_ps(table);
-  const __m512i mask = _mm512_set1_epi32(15);
-  constexpr int kHeld = D ? D / 16 : 1;
-  __m512 qv[R][kHeld];
+  const Table16 t = load_table16(table);
+  constexpr int kHeld = D ? D / kLanes : 1;
+  Floats qv[R][kHeld];
   for (int r = 0; D && r < R; ++r)
-    for (int i = 0; i < kHeld; ++i) qv[r][i] = _mm512_loadu_ps(q[r] + 16 * i);
-  auto query = [&](int r, int i) {  // 16 floats of row r from column i
-    return D ? qv[r][i / 16] : _mm512_loadu_ps(q[r] + i);
+    for (int i = 0; i < kHeld; ++i) qv[r][i] = load(q[r] + kLanes * i);
+  auto query = [&](int r, int i) {  // kLanes floats of row r from column i
+    return D ? qv[r][i / kLanes] : load(q[r] + i);
   };
-  for (int j0 = 0; j0 < nk; j0 += 16) {
-    const int m = std::min(16, nk - j0);
-    __m512 vs[R][16], vn[16];
-    for (int k = 0; k < 16; ++k) {
-      __m512 a[R], n = _mm512_setzero_ps();
-      for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+  for (int j0 = 0; j0 < nk; j0 += kLanes) {
+    const int m = std::min(kLanes, nk - j0);
+    Floats vs[R][kLanes], vn[kLanes];
+    for (int k = 0; k < kLanes; ++k) {
+      Floats a[R], n = zero();
+      for (int r = 0; r < R; ++r) a[r] = zero();
       if (k < m) {
         const uint8_t* c = key[j0 + k];
-        for (int i = 0; i < half; i += 16) {
-          const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i)));
-          const __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(x, mask), t);
-          const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), t);
-          n = _mm512_fmadd_ps(hi, hi, _mm512_fmadd_ps(lo, lo, n));
+        for (int i = 0; i < half; i += kLanes) {
+          const Ints x = widen_bytes(c + i);
+          const Floats lo = lookup(t, low_nibbles(x));
+          const Floats hi = lookup(t, high_nibbles(x));
+          n = fmadd(hi, hi, fmadd(lo, lo, n));
           for (int r = 0; r < R; ++r)
-            a[r] = _mm512_fmadd_ps(hi, query(r, half + i), _mm512_fmadd_ps(lo, query(r, i), a[r]));
+            a[r] = fmadd(hi, query(r, half + i), fmadd(lo, query(r, i), a[r]));
         }
       }
       vn[k] = n;
       for (int r = 0; r < R; ++r) vs[r][k] = a[r];
     }
     // out and sumsq hold whole tiles (kKeyTile floats): a full store forwards to the loads after
-    _mm512_storeu_ps(sumsq + j0, sum_lanes(vn));
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r] + j0, sum_lanes(vs[r]));
+    store(sumsq + j0, sum_lanes(vn));
+    for (int r = 0; r < R; ++r) store(out[r] + j0, sum_lanes(vs[r]));
   }
 }
 
 // acc[r] = acc[r] * corr[r] + sum_j w[r][j] * codes of value j (4-bit codes in parts order,
-// code[j]: value j's d / 2 bytes, d a multiple of 32) for R rows: 64 columns of every row stay
-// in registers while the tile's codes stream past.
+// code[j]: value j's d / 2 bytes, d a multiple of 2 * kLanes) for R rows: kHeld vectors of
+// columns of every row stay in registers while the tile's codes stream past.
 template <int R>
 void accumulate_codes4(float* const* acc, const float* corr, const float* const* w,
                        const uint8_t* const* code, int nk, int d) {
+  using namespace simd;
+  constexpr int kHeld = 4;
   const int half = d / 2;
-  const __m512i mask = _mm512_set1_epi32(15);
-  for (int c0 = 0; c0 < d; c0 += 64) {
-    const int nc = std::min(4, (d - c0) / 16);
-    __m512 a[R][4];
+  for (int c0 = 0; c0 < d; c0 += kHeld * kLanes) {
+    const int nc = std::min(kHeld, (d - c0) / kLanes);
+    Floats a[R][kHeld];
     for (int r = 0; r < R; ++r)
       for (int k = 0; k < nc; ++k)
-        a[r][k] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + c0 + 16 * k), _mm512_set1_ps(corr[r]));
+        a[r][k] = mul(load(acc[r] + c0 + kLanes * k), broadcast(corr[r]));
     for (int j = 0; j < nk; ++j) {
-      if (d == 64) {  // each byte load serves two columns: codes 0-15 | 32-47 and 16-31 | 48-63
-        const __m512i x0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code[j])));
-        const __m512i x1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code[j] + 16)));
-        const __m512 v[4] = {_mm512_cvtepi32_ps(_mm512_and_si512(x0, mask)),
-                             _mm512_cvtepi32_ps(_mm512_and_si512(x1, mask)),
-                             _mm512_cvtepi32_ps(_mm512_srli_epi32(x0, 4)),
-                             _mm512_cvtepi32_ps(_mm512_srli_epi32(x1, 4))};
+      if (d == kHeld * kLanes) {  // each byte load serves two vectors: low and high nibbles
+        const Ints x0 = widen_bytes(code[j]), x1 = widen_bytes(code[j] + kLanes);
+        const Floats v[kHeld] = {to_floats(low_nibbles(x0)), to_floats(low_nibbles(x1)),
+                                 to_floats(high_nibbles(x0)), to_floats(high_nibbles(x1))};
         for (int r = 0; r < R; ++r) {
-          const __m512 wr = _mm512_set1_ps(w[r][j]);
-          for (int k = 0; k < 4; ++k) a[r][k] = _mm512_fmadd_ps(wr, v[k], a[r][k]);
+          const Floats wr = broadcast(w[r][j]);
+          for (int k = 0; k < kHeld; ++k) a[r][k] = fmadd(wr, v[k], a[r][k]);
         }
         continue;
       }
       for (int k = 0; k < nc; ++k) {
-        const int c = c0 + 16 * k;
-        const __m512i x = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(code[j] + (c < half ? c : c - half))));
-        const __m512 v = _mm512_cvtepi32_ps(c < half ? _mm512_and_si512(x, mask) : _mm512_srli_epi32(x, 4));
-        for (int r = 0; r < R; ++r) a[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(w[r][j]), v, a[r][k]);
+        const int c = c0 + kLanes * k;
+        const Ints x = widen_bytes(code[j] + (c < half ? c : c - half));
+        const Floats v = to_floats(c < half ? low_nibbles(x) : high_nibbles(x));
+        for (int r = 0; r < R; ++r) a[r][k] = fmadd(broadcast(w[r][j]), v, a[r][k]);
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int k = 0; k < nc; ++k) _mm512_storeu_ps(acc[r] + c0 + 16 * k, a[r][k]);
+      for (int k = 0; k < nc; ++k) store(acc[r] + c0 + kLanes * k, a[r][k]);
   }
 }
 
@@ -209,57 +191,6 @@ inline void score_codes4_rows(const uint8_t* const* key, int nk, int d, const fl
     }
   }
 }
-#elif defined(__AVX2__)
-inline __m256 sum_lanes(const __m256* v) {
-  __m256 s1[4], s2[2];
-  for (int k = 0; k < 4; ++k)
-    s1[k] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * k], v[2 * k + 1]),
-                          _mm256_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  for (int k = 0; k < 2; ++k) {
-    const __m256d a = _mm256_castps_pd(s1[2 * k]), b = _mm256_castps_pd(s1[2 * k + 1]);
-    s2[k] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
-                          _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
-  }
-  return _mm256_add_ps(_mm256_permute2f128_ps(s2[0], s2[1], 0x20),
-                       _mm256_permute2f128_ps(s2[0], s2[1], 0x31));
-}
-
-inline void dots(const float* const* a, const float* b, int n, int d, float* out) {
-  for (int j = 0; j < n; j += 8) {
-    const int m = std::min(8, n - j);
-    __m256 v[8];
-    for (int k = 0; k < 8; ++k) {
-      v[k] = _mm256_setzero_ps();
-      if (k >= m) continue;
-      const float* x = a[j + k];
-      const float* y = b ? b : x;
-      for (int i = 0; i < d; i += 8)  // d: a multiple of 8
-        v[k] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), v[k]);
-    }
-    float r[8];
-    _mm256_storeu_ps(r, sum_lanes(v));
-    std::copy_n(r, m, out + j);
-  }
-}
-#else
-inline void dots(const float* const* a, const float* b, int n, int d, float* out) {
-  for (int j = 0; j < n; ++j) {
-    const float* x = a[j];
-    const float* y = b ? b : x;
-    float s = 0.0f;
-    for (int i = 0; i < d; ++i) s += x[i] * y[i];
-    out[j] = s;
-  }
-}
-#endif
-
-#if !defined(__AVX512F__)
-constexpr bool kFusedCodes4 = false;
-inline void score_codes4_rows(const uint8_t* const*, int, int, const float*, const float* const*,
-                              int, float* const*, float*) {}
-inline void accumulate_codes4_rows(float* const*, const float*, const float* const*, int,
-                                   const uint8_t* const*, int, int) {}
-#endif
 
 // acc[0, W) = acc * corr + sum_j p[j] * v_j (v_j = v + j * stride): the sums stay in registers
 template <int W>
@@ -313,6 +244,11 @@ struct Rows {
   Rows(int n_, int d_)
       : n(n_), d(d_), q(size_t(n_) * d_), qm(size_t(n_) * d_), m(n_, kNegInf), l(n_, 0.0f),
         acc(size_t(n_) * d_, 0.0f), accm(size_t(n_) * d_, 0.0f) {}
+  // the rows' queries and row r's value sums as a segment of the layer's cache (main) or of
+  // the recent cache reads them
+  const float* queries(bool main) const { return main ? qm.data() : q.data(); }
+  const float* query(bool main, int r) const { return queries(main) + size_t(r) * d; }
+  float* sums(bool main, int r) { return (main ? accm : acc).data() + size_t(r) * d; }
 };
 
 struct Scratch {
@@ -342,26 +278,19 @@ struct Visible {
   uint8_t used[kKeyTile];
 };
 
+// the lane-wise maximum of N vectors from x, as a balanced tree
+template <int N>
+inline simd::Floats max_of_vectors(const float* x) {
+  if constexpr (N == 1)
+    return simd::load(x);
+  else
+    return simd::max(max_of_vectors<N / 2>(x), max_of_vectors<N - N / 2>(x + N / 2 * simd::kLanes));
+}
+
 // the largest of a tile's kKeyTile floats
 inline float tile_max(const float* x) {
-  static_assert(kKeyTile == 32, "tile_max reads 32 floats");
-#if defined(__AVX2__)
-#if defined(__AVX512F__)
-  const __m512 w = _mm512_max_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16));
-  const __m256 m = _mm256_max_ps(_mm512_castps512_ps256(w),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1)));
-#else
-  const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
-                                 _mm256_max_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
-#endif
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-#else
-  float m = x[0];
-  for (int j = 1; j < kKeyTile; ++j) m = x[j] > m ? x[j] : m;
-  return m;
-#endif
+  static_assert(kKeyTile % simd::kLanes == 0, "whole vectors per tile");
+  return simd::max_lane(max_of_vectors<kKeyTile / simd::kLanes>(x));
 }
 
 // A row's logits over a whole tile (kKeyTile lanes, so the loops vectorize): pr = score x kmul,
@@ -386,129 +315,161 @@ inline float tile_exp(float* __restrict pr, const uint8_t* __restrict seen, floa
   return sum;
 }
 
-// One tile of keys p0 .. p0 + nk - 1 (token[j]: key j's slot for the item's first kv head, -1
-// where the sequence holds no such key; vis: which keys each query sees) for kv head hh of the
-// item, whose rows are r0 .. r0 + nr - 1: decode the keys, score the rows against them, decode
-// the values the rows use, accumulate them per row.
-template <Mode M>
-void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int nk,
-               const int64_t* token, int64_t hh, const Visible& vis, Rows& rows, int r0, int nr,
-               Scratch& sc) {
-  const Format& fmt = *src.format;
-  const int d = s.head_size, groups = s.num_heads / s.kv_heads;
-  const bool main = kind == Kind::Main;
-  float* ktile = sc.keys.data();
-  float* vtile = sc.values.data();
-  float kmul[kKeyTile] = {};  // 0 past the tile's keys: their scores are dropped
-  const float* krow[kKeyTile];
-  const bool corrected = tile_norm_correction(fmt);
-  // 4-bit TurboQuant keys scored from their codes (score_codes4), never written to the tile
-  const bool fused = M == Mode::TURBOQUANT && kFusedCodes4 && fmt.key_parts() && d % 32 == 0;
-  const uint8_t* kcodes[kKeyTile];
+// A tile's keys for one kv head as the rows score them: key j's slot, its floats (decoded
+// into the tile or read in place) or its 4-bit codes, and what its scores are multiplied by.
+// Past the tile's keys, and where the sequence holds no key j: multiplier 0 and a finite row
+// (those scores are dropped).
+struct TileKeys {
   int64_t th[kKeyTile];
-  bool real[kKeyTile];
-  bool any_real = false;
+  const float* row[kKeyTile];
+  const uint8_t* codes[kKeyTile];
+  float mul[kKeyTile] = {};
+};
+
+// The tile's keys for kv head hh of the item (token[j]: key j's slot at the item's first kv
+// head, -1 where the sequence holds none); those neither read in place nor scored from their
+// codes are decoded into `tile`. False when the sequence holds none of them.
+template <Mode M>
+bool gather_keys(const AttentionStep& s, const PagedSource& src, int nk, const int64_t* token,
+                 int64_t hh, bool from_codes, float* tile, TileKeys& keys) {
+  const Format& fmt = *src.format;
+  const int d = s.head_size;
+  bool any = false;
   for (int j = 0; j < nk; ++j) {
-    real[j] = token[j] >= 0;
-    th[j] = token[j] + hh;
-    kmul[j] = 0.0f;
-    krow[j] = kZeroRow;  // keys that are not real: any finite row (their scores are dropped)
-    kcodes[j] = kZeroCodes;
-    if (!real[j]) continue;
-    any_real = true;
-    if (fused) {
-      const uint8_t* slot = src.view.data[0] + th[j] * fmt.layout->slot_size_aligned;
-      kcodes[j] = slot;
-      kmul[j] = get_half(slot + fmt.layout->key_norm_offset) * s.scale;
+    const int64_t th = keys.th[j] = token[j] + hh;
+    keys.row[j] = kZeroRow;
+    keys.codes[j] = kZeroCodes;
+    if (token[j] < 0) continue;
+    any = true;
+    if (from_codes) {
+      const uint8_t* slot = src.view.data[0] + th * fmt.layout->slot_size_aligned;
+      keys.codes[j] = slot;
+      keys.mul[j] = get_half(slot + fmt.layout->key_norm_offset) * s.scale;
       continue;
     }
-    if (const float* row = cache_row<M>(fmt, src.view, 0, th[j])) {
-      krow[j] = row;
-      kmul[j] = s.scale;
+    if (const float* row = cache_row<M>(fmt, src.view, 0, th)) {
+      keys.row[j] = row;
+      keys.mul[j] = s.scale;
       continue;
     }
-    krow[j] = ktile + size_t(j) * d;
-    kmul[j] = decode_key<M>(fmt, src.view, th[j], ktile + size_t(j) * d) * s.scale;
+    keys.row[j] = tile + size_t(j) * d;
+    keys.mul[j] = decode_key<M>(fmt, src.view, th, tile + size_t(j) * d) * s.scale;
   }
-  if (!any_real) return;
-  float sumsq[kKeyTile];
-  for (int r = r0; fused && r < r0 + nr; r += kFusedRows) {
+  return any;
+}
+
+// Scores of rows r0 .. r0 + nr - 1 against the tile's 4-bit key codes, and each key's squared
+// norm (sumsq)
+void score_key_codes(const Format& fmt, const TileKeys& keys, int nk, int d,
+                     const float* queries, int r0, int nr, Scratch& sc, float* sumsq) {
+  for (int r = r0; r < r0 + nr; r += kFusedRows) {
     const int n = std::min(kFusedRows, r0 + nr - r);
     const float* qs[kFusedRows];
     float* out[kFusedRows];
     for (int i = 0; i < n; ++i) {
-      qs[i] = main ? &rows.qm[size_t(r + i) * d] : &rows.q[size_t(r + i) * d];
+      qs[i] = queries + size_t(r + i) * d;
       out[i] = &sc.scores[size_t(r + i) * kKeyTile];
     }
-    score_codes4_rows(kcodes, nk, d, fmt.key_book->centroids, qs, n, out, sumsq);
+    score_codes4_rows(keys.codes, nk, d, fmt.key_book->centroids, qs, n, out, sumsq);
   }
-  if (corrected) {  // norm correction of the tile's keys at once: scale / |decoded key|
-    if (!fused) dots(krow, nullptr, nk, d, sumsq);
-    for (int j = nk; j < kKeyTile; ++j) sumsq[j] = 1.0f;
-    for (int j = 0; j < kKeyTile; ++j) kmul[j] = kmul[j] / std::sqrt(sumsq[j] + gen::kNcEps);
-  }
-  const uint8_t* used = vis.used;
+}
+
+// TurboQuant norm correction of the tile's keys at once: each multiplier divided by its decoded
+// key's norm (sumsq: the squared norms, computed here unless scoring from codes gave them)
+void correct_norms(TileKeys& keys, int nk, int d, bool have_sumsq, float* sumsq) {
+  if (!have_sumsq) dots(keys.row, nullptr, nk, d, sumsq);
+  for (int j = nk; j < kKeyTile; ++j) sumsq[j] = 1.0f;
+  for (int j = 0; j < kKeyTile; ++j) keys.mul[j] = keys.mul[j] / std::sqrt(sumsq[j] + gen::kNcEps);
+}
+
+// Folds a row's scores of one tile (pr) into its running max m and sum l; pr becomes the keys'
+// weights. Returns the factor the row's earlier sums are to be scaled by.
+inline float fold_tile(float& m, float& l, float* pr, const float* kmul, const uint8_t* seen,
+                       float softcap) {
+  const float m_new = std::max(m, tile_logits(pr, kmul, seen, softcap));
+  // the running max rarely moves after the first tiles: no exponential then
+  const float corr = m == m_new ? 1.0f : m == kNegInf ? 0.0f : exp_neg(m - m_new);
+  const float sum = tile_exp(pr, seen, m_new);
+  l = l * corr + sum;
+  m = m_new;
+  return corr;
+}
+
+// Scores rows r0 .. r0 + nr - 1 against the tile's keys (unless scored from their codes) and
+// folds them into each row's softmax; rows that see none of the keys are not live.
+void softmax_rows(const AttentionStep& s, const TileKeys& keys, int nk, bool scored, bool main,
+                  const Visible& vis, Rows& rows, int r0, int nr, Scratch& sc) {
+  const int d = s.head_size, groups = s.num_heads / s.kv_heads;
   for (int r = r0; r < r0 + nr; ++r) {
     const int tq = (r - r0) / groups;
-    const float* q = main ? &rows.qm[size_t(r) * d] : &rows.q[size_t(r) * d];
     float* pr = &sc.scores[size_t(r) * kKeyTile];
-    const uint8_t* sn = vis.seen[tq];
     sc.live[r] = vis.any[tq];
     if (!vis.any[tq]) continue;
-    if (!fused) dots(krow, q, nk, d, pr);  // keys a row does not see: any value, dropped below
-    const float m_new = std::max(rows.m[r], tile_logits(pr, kmul, sn, s.softcap));
-    // the running max rarely moves after the first tiles: no exponential then
-    const float corr = rows.m[r] == m_new ? 1.0f
-                       : rows.m[r] == kNegInf ? 0.0f
-                                              : exp_neg(rows.m[r] - m_new);
-    const float sum = tile_exp(pr, sn, m_new);
-    rows.l[r] = rows.l[r] * corr + sum;
-    rows.m[r] = m_new;
+    if (!scored) dots(keys.row, rows.query(main, r), nk, d, pr);  // unseen keys: dropped below
+    const float corr = fold_tile(rows.m[r], rows.l[r], pr, keys.mul, vis.seen[tq], s.softcap);
     sc.corr[r] = corr;  // applied to this segment's sums as they accumulate; the other's now:
     if (corr != 1.0f && s.recent.table) {
-      float* other = main ? &rows.acc[size_t(r) * d] : &rows.accm[size_t(r) * d];
+      float* other = rows.sums(!main, r);
       for (int i = 0; i < d; ++i) other[i] *= corr;
     }
   }
-  ValueRuns runs;
-  const int64_t stride = int64_t(s.kv_heads) * d;
-  const bool affine = value_codes_affine<M>(fmt);
+}
+
+// Weighs the tile's 4-bit affine value codes (TurboQuant, one group) into the live rows' sums
+// straight from the codes, never decoded to the tile (th: the keys' slots)
+void weigh_value_codes(const AttentionStep& s, const PagedSource& src, int nk,
+                       const int64_t* th, const uint8_t* used, bool main, Rows& rows, int r0,
+                       int nr, const Scratch& sc) {
+  const auto& lay = *src.format->layout;
+  const int d = s.head_size;
+  const uint8_t* vcodes[kKeyTile];
   float vscale[kKeyTile], voffset[kKeyTile];
-  if (M == Mode::TURBOQUANT && kFusedCodes4 && fmt.value_parts() && d % 32 == 0) {
-    // 4-bit affine values weighed from their codes (accumulate_codes4), never decoded to the tile
-    const auto& lay = *fmt.layout;
-    const uint8_t* vcodes[kKeyTile];
-    for (int j = 0; j < nk; ++j) {  // keys no row sees weigh 0 (their codes: any finite ones)
-      const uint8_t* slot = used[j] ? src.view.data[0] + th[j] * lay.slot_size_aligned : nullptr;
-      vcodes[j] = slot ? slot + lay.value_offset : kZeroCodes;
-      vscale[j] = slot ? get_half(slot + lay.value_params_offset) : 0.0f;
-      voffset[j] = slot ? get_half(slot + lay.value_params_offset + 2) : 0.0f;
-    }
-    for (int r = r0; r < r0 + nr;) {
-      float* acc[kFusedRows];
-      float corr[kFusedRows], offset[kFusedRows] = {}, w[kFusedRows][kKeyTile];
-      const float* wr[kFusedRows];
-      int n = 0;
-      for (; r < r0 + nr && n < kFusedRows; ++r) {
-        if (!sc.live[r]) continue;
-        const float* p = &sc.scores[size_t(r) * kKeyTile];
-        for (int j = 0; j < nk; ++j) {  // sum_j p_j (c_j s_j + o_j) = sum_j (p_j s_j) c_j + ...
-          w[n][j] = p[j] * vscale[j];
-          offset[n] += p[j] * voffset[j];
-        }
-        acc[n] = main ? &rows.accm[size_t(r) * d] : &rows.acc[size_t(r) * d];
-        corr[n] = sc.corr[r];
-        wr[n] = w[n];
-        ++n;
-      }
-      if (n == 0) continue;
-      accumulate_codes4_rows(acc, corr, wr, n, vcodes, nk, d);
-      for (int i = 0; i < n; ++i)
-        for (int c = 0; c < d; ++c) acc[i][c] += offset[i];
-    }
-    return;
+  for (int j = 0; j < nk; ++j) {  // keys no row sees weigh 0 (their codes: any finite ones)
+    const uint8_t* slot = used[j] ? src.view.data[0] + th[j] * lay.slot_size_aligned : nullptr;
+    vcodes[j] = slot ? slot + lay.value_offset : kZeroCodes;
+    vscale[j] = slot ? get_half(slot + lay.value_params_offset) : 0.0f;
+    voffset[j] = slot ? get_half(slot + lay.value_params_offset + 2) : 0.0f;
   }
-  for (int j = 0; j < nk; ++j) {  // keys no row sees weigh 0: their values must be finite
+  for (int r = r0; r < r0 + nr;) {
+    float* acc[kFusedRows];
+    float corr[kFusedRows], offset[kFusedRows] = {}, w[kFusedRows][kKeyTile];
+    const float* wr[kFusedRows];
+    int n = 0;
+    for (; r < r0 + nr && n < kFusedRows; ++r) {
+      if (!sc.live[r]) continue;
+      const float* p = &sc.scores[size_t(r) * kKeyTile];
+      for (int j = 0; j < nk; ++j) {  // sum_j p_j (c_j s_j + o_j) = sum_j (p_j s_j) c_j + ...
+        w[n][j] = p[j] * vscale[j];
+        offset[n] += p[j] * voffset[j];
+      }
+      acc[n] = rows.sums(main, r);
+      corr[n] = sc.corr[r];
+      wr[n] = w[n];
+      ++n;
+    }
+    if (n == 0) continue;
+    accumulate_codes4_rows(acc, corr, wr, n, vcodes, nk, d);
+    for (int i = 0; i < n; ++i)
+      for (int c = 0; c < d; ++c) acc[i][c] += offset[i];
+  }
+}
+
+// The tile's values as the rows weigh them: runs read in place, the others in the tile (affine
+// formats: their codes, with a scale and offset per key)
+struct TileValues {
+  ValueRuns runs;
+  float scale[kKeyTile], offset[kKeyTile];
+};
+
+// Finds the values of the keys the rows use (th: their slots), decoding those not read in place
+// into `tile`; keys no row uses weigh 0, so their rows in the tile are zeros (finite).
+template <Mode M>
+void gather_values(const AttentionStep& s, const PagedSource& src, int nk, const int64_t* th,
+                   const uint8_t* used, bool affine, float* tile, TileValues& values) {
+  const Format& fmt = *src.format;
+  const int d = s.head_size;
+  ValueRuns& runs = values.runs;
+  for (int j = 0; j < nk; ++j) {
     const float* row = used[j] ? cache_row<M>(fmt, src.view, 1, th[j]) : nullptr;
     const float* last = runs.n ? runs.base[runs.n - 1] : nullptr;
     const bool joins = runs.n && (row ? last && th[j] == th[j - 1] + s.kv_heads : !last);
@@ -517,28 +478,38 @@ void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int nk
       runs.base[runs.n++] = row;
     }
     if (row) continue;
-    vscale[j] = 1.0f;
-    voffset[j] = 0.0f;
+    values.scale[j] = 1.0f;
+    values.offset[j] = 0.0f;
+    float* out = tile + size_t(j) * d;
     if (!used[j])
-      std::fill_n(vtile + size_t(j) * d, d, 0.0f);
+      std::fill_n(out, d, 0.0f);
     else if (affine)
-      decode_value_codes<M>(fmt, src.view, th[j], vtile + size_t(j) * d, vscale[j], voffset[j]);
+      decode_value_codes<M>(fmt, src.view, th[j], out, values.scale[j], values.offset[j]);
     else
-      decode_value<M>(fmt, src.view, th[j], vtile + size_t(j) * d);
+      decode_value<M>(fmt, src.view, th[j], out);
   }
   runs.start[runs.n] = nk;
+}
+
+// Adds the weighted values to the live rows' sums (scaled first by the row's correction)
+void accumulate_values(const AttentionStep& s, const TileValues& values, int nk, bool affine,
+                       const float* tile, bool main, Rows& rows, int r0, int nr,
+                       const Scratch& sc) {
+  const int d = s.head_size;
+  const int64_t stride = int64_t(s.kv_heads) * d;
+  const ValueRuns& runs = values.runs;
   for (int r = r0; r < r0 + nr; ++r) {
     if (!sc.live[r]) continue;
-    float* acc = main ? &rows.accm[size_t(r) * d] : &rows.acc[size_t(r) * d];
+    float* acc = rows.sums(main, r);
     const float* p = &sc.scores[size_t(r) * kKeyTile];
     float corr = sc.corr[r];
     if (affine) {  // sum_j p_j (c_j s_j + o_j) = sum_j (p_j s_j) c_j + sum_j p_j o_j
       float w[kKeyTile], offset = 0.0f;
       for (int j = 0; j < nk; ++j) {
-        w[j] = p[j] * vscale[j];
-        offset += p[j] * voffset[j];
+        w[j] = p[j] * values.scale[j];
+        offset += p[j] * values.offset[j];
       }
-      accumulate_row(acc, corr, w, vtile, nk, d, d);
+      accumulate_row(acc, corr, w, tile, nk, d, d);
       for (int i = 0; i < d; ++i) acc[i] += offset;
       continue;
     }
@@ -547,9 +518,71 @@ void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int nk
       if (runs.base[k])
         accumulate_row(acc, corr, p + a, runs.base[k], n, d, stride);
       else
-        accumulate_row(acc, corr, p + a, vtile + size_t(a) * d, n, d, d);
+        accumulate_row(acc, corr, p + a, tile + size_t(a) * d, n, d, d);
     }
   }
+}
+
+// One tile of keys p0 .. p0 + nk - 1 (token[j]: key j's slot for the item's first kv head, -1
+// where the sequence holds no such key; vis: which keys each query sees) for kv head hh of the
+// item, whose rows are r0 .. r0 + nr - 1: find and decode the keys, score the rows against them
+// and fold the scores into each row's softmax, then weigh the values the rows use into their
+// sums. 4-bit TurboQuant keys and values are read from their codes where kFusedCodes4.
+template <Mode M>
+void head_tile(const AttentionStep& s, Kind kind, const PagedSource& src, int nk,
+               const int64_t* token, int64_t hh, const Visible& vis, Rows& rows, int r0, int nr,
+               Scratch& sc) {
+  const Format& fmt = *src.format;
+  const int d = s.head_size;
+  const bool main = kind == Kind::Main;
+  const bool codes4 = M == Mode::TURBOQUANT && kFusedCodes4 && d % (2 * simd::kLanes) == 0;
+  const bool key_codes = codes4 && fmt.key_parts();
+  TileKeys keys;
+  if (!gather_keys<M>(s, src, nk, token, hh, key_codes, sc.keys.data(), keys)) return;
+  float sumsq[kKeyTile];
+  if (key_codes) score_key_codes(fmt, keys, nk, d, rows.queries(main), r0, nr, sc, sumsq);
+  if (tile_norm_correction(fmt)) correct_norms(keys, nk, d, key_codes, sumsq);
+  softmax_rows(s, keys, nk, key_codes, main, vis, rows, r0, nr, sc);
+  if (codes4 && fmt.value_parts()) {
+    weigh_value_codes(s, src, nk, keys.th, vis.used, main, rows, r0, nr, sc);
+    return;
+  }
+  const bool affine = value_codes_affine<M>(fmt);
+  TileValues values;
+  gather_values<M>(s, src, nk, keys.th, vis.used, affine, sc.values.data(), values);
+  accumulate_values(s, values, nk, affine, sc.values.data(), main, rows, r0, nr, sc);
+}
+
+// Keys [first, last] of a sequence (none where first > last)
+struct KeySpan {
+  int64_t first, last;
+};
+
+// The keys a query at `position` sees in a segment: those before it and within the sliding
+// window; of them the recent cache holds the sink tokens and the last recent_window positions,
+// the layer's cache the others (ops.cc takes sink tokens only with a recent window).
+inline KeySpan visible_keys(const AttentionStep& s, Kind kind, int64_t position) {
+  const int64_t in_window =
+      s.window ? position - s.window + 1 : std::numeric_limits<int64_t>::min();
+  switch (kind) {
+    case Kind::Main:
+      return {std::max(in_window, s.sink_tokens),
+              s.recent_window ? position - s.recent_window : position};
+    case Kind::Recent:
+      if (!s.recent_window) return {0, -1};
+      return {std::max({in_window, s.sink_tokens, position - s.recent_window + 1}), position};
+    case Kind::Sink:
+      return {in_window, std::min(position, s.sink_tokens - 1)};
+  }
+  return {0, -1};
+}
+
+// The keys any query of an item sees in a segment, positions pmin .. pmax (both bounds of the
+// rule grow with the position), cut to the sequence's seq_len keys
+inline KeySpan item_keys(const AttentionStep& s, Kind kind, int64_t pmin, int64_t pmax,
+                         int64_t seq_len) {
+  return {std::max<int64_t>(0, visible_keys(s, kind, pmin).first),
+          std::min(seq_len - 1, visible_keys(s, kind, pmax).last)};
 }
 
 // One segment's keys [lo, hi] for the rows of an item, format M: per tile of keys, each kv head
@@ -576,22 +609,8 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
     }
   };
   const int queries = static_cast<int>(it.q1 - it.q0);
-  // the keys [first, last] each query sees in this segment
-  int64_t first[kQueryBlockRows], last[kQueryBlockRows];
-  for (int tq = 0; tq < queries; ++tq) {
-    const int64_t P = pos[tq];
-    const int64_t wlo = s.window ? P - s.window + 1 : std::numeric_limits<int64_t>::min();
-    first[tq] = wlo;
-    last[tq] = P;
-    if (kind == Kind::Main) {
-      first[tq] = std::max(wlo, s.sink_tokens);
-      if (s.recent_window) last[tq] = P - s.recent_window;
-    } else if (kind == Kind::Recent) {
-      first[tq] = std::max({wlo, s.sink_tokens, P - s.recent_window + 1});
-    } else {
-      last[tq] = std::min(P, s.sink_tokens - 1);
-    }
-  }
+  KeySpan seen_by[kQueryBlockRows];
+  for (int tq = 0; tq < queries; ++tq) seen_by[tq] = visible_keys(s, kind, pos[tq]);
   int64_t token[kKeyTile], next[kKeyTile];
   Visible vis;
   for (int64_t p0 = lo; p0 <= hi; p0 += kKeyTile) {
@@ -609,7 +628,7 @@ void run_segment(const AttentionStep& s, const Item& it, Kind kind, int64_t lo, 
     }
     std::fill_n(vis.used, kKeyTile, uint8_t(0));
     for (int tq = 0; tq < queries; ++tq) {  // shared by the query's heads
-      const int64_t a = first[tq], b = last[tq];
+      const int64_t a = seen_by[tq].first, b = seen_by[tq].last;
       uint8_t* seen = vis.seen[tq];
       int any = 0;
       for (int j = 0; j < kKeyTile; ++j) {
@@ -665,19 +684,11 @@ void run_item(const AttentionStep& s, const Item& it, float* partial) {
   std::vector<int64_t> pos(s.positions + it.q0, s.positions + it.q1);
   const int64_t pmin = *std::min_element(pos.begin(), pos.end());
   const int64_t pmax = *std::max_element(pos.begin(), pos.end());
-  // each segment's keys for these queries: [lo, hi], then cut to the item's split
-  const int64_t last = std::min(s.seq_lens[it.seq] - 1, pmax);
-  const int64_t wlo = s.window ? std::max<int64_t>(0, pmin - s.window + 1) : 0;
-  const int64_t n_recent = s.recent_window, sinks = s.sink_tokens;
-  const int64_t lo[3] = {std::max(wlo, n_recent ? sinks : int64_t(0)),
-                         std::max({wlo, sinks, pmin - n_recent + 1}), wlo};
-  const int64_t hi[3] = {n_recent ? std::min(last, pmax - n_recent) : last,
-                         n_recent ? last : -1, sinks ? std::min(last, sinks - 1) : -1};
-  const Kind kinds[3] = {Kind::Main, Kind::Recent, Kind::Sink};
   Scratch sc(n, d);
-  for (int g = 0; g < 3; ++g) {
-    const int64_t a = std::max(lo[g], it.k0), b = std::min(hi[g], it.k1 - 1);
-    if (a <= b) segment(s, it, kinds[g], a, b, pos.data(), rows, sc);
+  for (const Kind kind : {Kind::Main, Kind::Recent, Kind::Sink}) {
+    const KeySpan keys = item_keys(s, kind, pmin, pmax, s.seq_lens[it.seq]);
+    const int64_t a = std::max(keys.first, it.k0), b = std::min(keys.last, it.k1 - 1);
+    if (a <= b) segment(s, it, kind, a, b, pos.data(), rows, sc);
   }
   if (!partial) {
     for (int r = 0; r < n; ++r)

@@ -12,11 +12,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 #include "formats.h"
+#include "simd.h"
 
 namespace tqx {
 namespace TQX_ISA {
@@ -46,35 +44,16 @@ inline void unpack_lookup(const uint8_t* in, int n, int bits, const float* table
 }
 
 // 4-bit codes -> table values in parts order: out[i] = table[low nibble of in[i]],
-// out[n/2 + i] = table[high nibble] (one permute per 16 or 8 codes where the CPU has them).
+// out[n/2 + i] = table[high nibble] (a vector of codes per table lookup)
 inline void unpack4_parts(const uint8_t* in, int n, const float* table, float* out) {
   const int half = n / 2;
+  const simd::Table16 t = simd::load_table16(table);
   int i = 0;
-#if defined(__AVX512F__)
-  const __m512 t = _mm512_loadu_ps(table);
-  const __m512i mask = _mm512_set1_epi32(15);
-  for (; i + 16 <= half; i += 16) {
-    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
-    _mm512_storeu_ps(out + i, _mm512_permutexvar_ps(_mm512_and_si512(x, mask), t));
-    _mm512_storeu_ps(out + half + i, _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), t));
+  for (; i + simd::kLanes <= half; i += simd::kLanes) {
+    const simd::Ints x = simd::widen_bytes(in + i);
+    simd::store(out + i, simd::lookup(t, simd::low_nibbles(x)));
+    simd::store(out + half + i, simd::lookup(t, simd::high_nibbles(x)));
   }
-#elif defined(__AVX2__)
-  const __m256 t0 = _mm256_loadu_ps(table), t1 = _mm256_loadu_ps(table + 8);
-  const __m256i mask = _mm256_set1_epi32(15);
-  for (; i + 8 <= half; i += 8) {
-    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in + i)));
-    const __m256i lo = _mm256_and_si256(x, mask), hi = _mm256_srli_epi32(x, 4);
-    // bit 3 of the code picks the table's upper half (blendv reads the sign bit)
-    const __m256 lo_v = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, lo),
-                                         _mm256_permutevar8x32_ps(t1, lo),
-                                         _mm256_castsi256_ps(_mm256_slli_epi32(lo, 28)));
-    const __m256 hi_v = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, hi),
-                                         _mm256_permutevar8x32_ps(t1, hi),
-                                         _mm256_castsi256_ps(_mm256_slli_epi32(hi, 28)));
-    _mm256_storeu_ps(out + i, lo_v);
-    _mm256_storeu_ps(out + half + i, hi_v);
-  }
-#endif
   for (; i < half; ++i) {
     out[i] = table[in[i] & 15];
     out[half + i] = table[in[i] >> 4];
@@ -92,14 +71,9 @@ inline float e4m3_value(uint8_t b) {
   return float_of(bits_of(v) | (static_cast<uint32_t>(b & 0x80) << 24));
 }
 
-// a little-endian fp16 field (F16C where the kernel's ISA has it: exact, NaN payloads quieted)
+// a little-endian fp16 field
 inline float get_half(const uint8_t* p) {
-  const uint16_t h = static_cast<uint16_t>(p[0] | (p[1] << 8));
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  return half_value(h);
-#endif
+  return simd::half_to_float(static_cast<uint16_t>(p[0] | (p[1] << 8)));
 }
 
 inline float nvfp4_value(int code) {
@@ -119,28 +93,14 @@ inline const float* nvfp4_table() {
 }
 
 inline void nvfp4_decode(const uint8_t* in, int d, float global_scale, float* out) {
-  const float* table = nvfp4_table();
-  static_assert(gen::kNvfp4Block == 16, "one vector of codes per block");
+  static_assert(gen::kNvfp4Block % simd::kLanes == 0, "whole vectors of codes per block");
+  const simd::Table16 table = simd::load_table16(nvfp4_table());
   for (int b = 0; b < d / gen::kNvfp4Block; ++b) {
-    const float s = gen::kE4M3[in[d / 2 + b]] * global_scale;
+    const simd::Floats s = simd::broadcast(gen::kE4M3[in[d / 2 + b]] * global_scale);
     const uint8_t* codes = in + b * gen::kNvfp4Block / 2;
     float* o = out + b * gen::kNvfp4Block;
-#if defined(__AVX512F__)
-    // lane 2i: the low nibble of byte i, lane 2i + 1: its high nibble
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
-    const __m512i pairs = _mm512_permutexvar_epi32(
-        _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), bytes);
-    const __m512i idx = _mm512_and_si512(
-        _mm512_srlv_epi32(pairs, _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0)),
-        _mm512_set1_epi32(15));
-    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_permutexvar_ps(idx, _mm512_loadu_ps(table)),
-                                      _mm512_set1_ps(s)));
-#else
-    for (int i = 0; i < gen::kNvfp4Block / 2; ++i) {
-      o[2 * i] = table[codes[i] & 15] * s;
-      o[2 * i + 1] = table[codes[i] >> 4] * s;
-    }
-#endif
+    for (int i = 0; i < gen::kNvfp4Block; i += simd::kLanes)
+      simd::store(o + i, simd::mul(simd::lookup(table, simd::packed_codes4(codes, i)), s));
   }
 }
 
