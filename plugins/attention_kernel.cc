@@ -558,7 +558,7 @@ struct KeySpan {
   int64_t first, last;
 };
 
-// The keys a query at `position` sees in a segment: those before it and within the sliding
+// The keys a query at `position` sees in a segment: those up to its own and within the sliding
 // window; of them the recent cache holds the sink tokens and the last recent_window positions,
 // the layer's cache the others (ops.cc takes sink tokens only with a recent window).
 inline KeySpan visible_keys(const AttentionStep& s, Kind kind, int64_t position) {

@@ -14,7 +14,7 @@
 //   packed_codes4(codes, i)      4-bit codes i .. i + kLanes - 1 of a packed run (code 2k: the
 //                                low nibble of byte k)
 //   Table16, load_table16, lookup  16 floats, looked up by 4-bit index per lane
-//   half_to_float                fp16 bits to float, exact
+//   half_to_float                fp16 bits to float, exact (F16C quiets a signalling NaN)
 #pragma once
 
 #ifndef TQX_ISA
