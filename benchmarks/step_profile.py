@@ -21,8 +21,6 @@ from tqexport.bench.speed import artifact_for, load_average
 from tqexport.contract.steps import SeqChunk, build_step
 from tqexport.runtime.backends.ort import OrtBackend
 
-GENAI = "ORT GenAI fp32"
-
 
 def fastest_run(profile: Path) -> tuple[float, dict[str, float]]:
     """(ms of the fastest ``model_run``, the fewest ms per op type over the runs) from an ORT
@@ -100,7 +98,7 @@ def main(argv: list[str] | None = None):
         names = sorted(set(tq[1]) | set(ga[1]), key=lambda n: -max(tq[1].get(n, 0),
                                                                     ga[1].get(n, 0)))  # fmt: skip
         print(f"\ncontext {c}, batch {args.batch}, load {before} -> {load_average()}")
-        print(f"| op | tqexport {args.dtype} [native] ms | {GENAI} ms |")
+        print(f"| op | tqexport {args.dtype} [native] ms | ORT GenAI ({args.genai_dir.name}) ms |")
         print("|---|---|---|")
         for n in names[: args.top]:
             print(f"| {n} | {tq[1].get(n, 0):.2f} | {ga[1].get(n, 0):.2f} |")
