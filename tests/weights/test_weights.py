@@ -22,7 +22,7 @@ from tqexport.spec.limits import SpecError
 from tqexport.spec.weights import StoredTensor, WeightsSpec, weights_from_dict
 from tqexport.weights import gguf_source
 from tqexport.weights.blocks import GGUF_DECODERS, decode_gguf, quantize_rtn
-from tqexport.weights.graph import read_stored, store_weights, weight_bytes
+from tqexport.weights.graph import INTERNAL, members, read_stored, store_weights, weight_bytes
 from tqexport.weights.placeholders import GATHER, MATMUL, PLACEHOLDER_DOMAIN
 
 
@@ -138,6 +138,72 @@ def test_the_reference_reads_back_exactly_what_was_stored():
     assert sizes["int8"] == n * k + 4 * n * (k // 16)
 
 
+def _readers_model(readers: dict[str, tuple[str, int, int]]) -> onnx.ModelProto:
+    """A graph of MatMul stand-ins, one per weight: ``readers[weight] = (input, K, N)``."""
+    nodes, outputs, inputs = [], [], {}
+    for name, (inp, k, n) in readers.items():
+        nodes.append(helper.make_node(MATMUL, [inp], [f"y.{name}"], domain=PLACEHOLDER_DOMAIN,
+                                      weight=name))  # fmt: skip
+        outputs.append(helper.make_tensor_value_info(f"y.{name}", TensorProto.FLOAT, ["M", n]))
+        inputs[inp] = helper.make_tensor_value_info(inp, TensorProto.FLOAT, ["M", k])
+    graph = helper.make_graph(nodes, "g", list(inputs.values()), outputs)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(PLACEHOLDER_DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
+
+
+def _optimized_ops(model: onnx.ModelProto, tmp_path) -> list[str]:
+    """The op types of the graph ONNX Runtime runs (all optimizations, MatMulNBits fused)."""
+    opts = ort.SessionOptions()
+    opts.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return sorted(n.op_type for n in onnx.load(str(tmp_path / "opt.onnx")).graph.node)
+
+
+#: a layer's matrices: q, k, v read ``x`` (with ``o``, an 8-bit one that reads it too); gate
+#: and up read ``h``, down ``a``
+_LAYER = {"q": ("x", 256, 64, "Q4_1"), "k": ("x", 256, 32, "Q4_1"), "v": ("x", 256, 32, "Q4_1"),
+          "o": ("x", 256, 48, "Q8_0"), "gate": ("h", 256, 96, "Q4_K"),
+          "up": ("h", 256, 96, "Q4_K"), "down": ("a", 96, 256, "Q4_0")}  # fmt: skip
+
+
+def test_matrices_reading_one_input_are_packed_into_one_product(tmp_path):
+    """q, k, v (one input, one block form) are one DequantizeLinear -> MatMul over their codes
+    concatenated along N, one offset product and one Split; gate and up likewise; a matrix of
+    another form stays alone. Block sums are one MatMul by a shared 0/1 indicator per input.
+    Each output equals x times its dequantized matrix, the reference reads each matrix back
+    exactly, one record per matrix, and ORT runs 10 nodes where one product per matrix, its
+    block sums by Reshape and ReduceSum, ran 21 (measured on ONNX Runtime 1.21)."""
+    weights = {name: decode_gguf(blocks(t, n, k, seed=i), t, n, k)
+               for i, (name, (_, k, n, t)) in enumerate(_LAYER.items())}  # fmt: skip
+    model = _readers_model({name: (x, k, n) for name, (x, k, n, _) in _LAYER.items()})
+    records = store_weights(model, {name: (lambda w=w: w) for name, w in weights.items()})
+    assert [(r.name, r.precision, r.block_size, r.source) for r in records] == [
+        (name, f"int{weights[name].bits}", weights[name].block, t)
+        for name, (_, _, _, t) in _LAYER.items()]  # fmt: skip
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("DequantizeLinear") == 4 and ops.count("Split") == 2
+    assert "ReduceSum" not in ops and ops.count("MatMul") == 4 + 2 + 2  # 2 inputs with offsets
+    names = {t.name for t in model.graph.initializer}
+    assert {"q+k+v.codes", "q+k+v.offset", "q+k+v.widths", "gate+up.codes", "o.codes",
+            "down.codes"} <= names  # fmt: skip
+    assert [n for n in names if "blocksums" in n] == ["tqexport.weights.blocksums.256x32"]
+    rng = np.random.default_rng(5)
+    feed = {x: rng.standard_normal((3, k)).astype(np.float32) for x, k, _, _ in _LAYER.values()}
+    outs = _run(model, feed)
+    for (name, (x, _, _, _)), y in zip(_LAYER.items(), outs, strict=True):
+        want = feed[x].astype(np.float64) @ weights[name].dequantize().T.astype(np.float64)
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    back = read_stored(model)
+    assert sorted(back) == sorted(_LAYER)
+    for name, w in weights.items():
+        np.testing.assert_array_equal(back[name], w.dequantize())
+    sizes = weight_bytes(model)
+    assert sizes == {p: sum(w.storage_bytes() for w in weights.values() if w.bits == b)
+                     for p, b in (("int4", 4), ("int8", 8))}  # fmt: skip
+    ops = _optimized_ops(model, tmp_path)
+    assert len(ops) == 10 and ops.count("MatMulNBits") == 4 and ops.count("Split") == 2, ops
+
+
 def test_weights_section_round_trips_and_refuses_what_does_not_fit():
     tensors = (StoredTensor("a.weight", "int4", 32, "Q4_1"),
                StoredTensor("b.weight", "int4", 32, "Q4_1"),
@@ -203,8 +269,15 @@ def test_a_gguf_with_every_block_type_builds_and_passes_parity(tiny_gguf, tmp_pa
     assert sources == set(TYPES.values())
     graph = onnx.load(str(art.model_file), load_external_data=False).graph
     floats = [t for t in graph.initializer if t.data_type == TensorProto.FLOAT and len(t.dims) == 2
-              and not t.name.endswith((".scale", ".offset"))]  # fmt: skip
+              and not t.name.endswith((".scale", ".offset"))
+              and not t.name.startswith(INTERNAL)]  # fmt: skip
     assert [list(t.dims) for t in floats] == [[256, 256]]  # the Q3_K matrix alone
+    packed = [members(t.name.removesuffix(".codes")) for t in graph.initializer
+              if t.name.endswith(".codes") and len(members(t.name)) > 1]  # fmt: skip
+    q_k = ["model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"]
+    assert packed == [q_k]  # Q4_K and Q4_1: 4 bits, blocks of 32, offsets
+    sums = [n for n in graph.node if n.op_type == "MatMul" and n.input[1].startswith(INTERNAL)]
+    assert len(sums) == 4  # one per input that blocks with offsets read: 2 per layer here
     report = run_parity(art, steps=2, prompt_len=12, batch=2)
     assert report.ok and report.logits_judged
 
@@ -324,7 +397,7 @@ def test_the_weights_floor_multiplies_by_the_stored_blocks(artifacts):
     floor = weights_floor.WeightsFloor(art, batch=2, threads=1)
     products = weights_floor.weight_products(onnx.load(str(art.model_file),
                                                        load_external_data=False))  # fmt: skip
-    assert len(products) == 43  # 6 layers x 7 projections + lm_head
+    assert len(products) == 25  # 6 layers x (q+k+v, o, gate+up, down) + lm_head
     assert {tuple(n.op_type for n in p.nodes) for p in products} == {("DequantizeLinear",)}
     kinds = {tuple(t.data_type for t in p.initializers) for p in products}
     assert kinds == {(TensorProto.INT4, TensorProto.FLOAT)}
@@ -333,9 +406,10 @@ def test_the_weights_floor_multiplies_by_the_stored_blocks(artifacts):
     dense = read_stored(onnx.load(str(art.model_file)))
     outs = floor.step()
     names = [p.initializers[0].name.removesuffix(".codes") for p in products]
+    assert sum(len(members(n)) for n in names) == 43  # 6 layers x 7 projections + lm_head
     for name, p, y in zip(names, products, outs, strict=True):
         x = floor.feed[f"rows_{p.k}"]
-        ref = x @ dense[name].T
+        ref = x @ np.concatenate([dense[m] for m in members(name)]).T
         assert np.linalg.norm(y - ref) <= 0.02 * np.linalg.norm(ref), name
 
 

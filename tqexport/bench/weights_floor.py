@@ -41,9 +41,10 @@ class WeightProduct:
 def weight_products(model: onnx.ModelProto) -> list[WeightProduct]:
     """The weights ``model``'s top-level MatMuls multiply by, once each, in graph order: a 2-D
     initializer, or what Transposes, blocked DequantizeLinears and Casts make of initializers
-    (a tied head's transposed table, 4- and 8-bit blocks, float16 storage). A block offset's
-    correction is a MatMul by an initializer too, so it counts. These are the bytes a decode
-    step reads in full."""
+    (a tied head's transposed table, 4- and 8-bit blocks, float16 storage); matrices packed
+    into one (q, k, v) are one weight, as the model multiplies them. A block offset's
+    correction and the block sums it takes (a 0/1 indicator) are MatMuls by initializers too,
+    so they count. These are the bytes a decode step reads in full."""
     inits = {t.name: t for t in model.graph.initializer}
     shape = {name: list(t.dims) for name, t in inits.items()}
     maker: dict[str, onnx.NodeProto] = {}

@@ -5,7 +5,12 @@ placeholders`) becomes standard ONNX over initializers of the stored precision.
   ``[K, N]`` in blocks along K (opset 21 blocked form, float32 scales) feeding the MatMul; ONNX
   Runtime fuses the pair into ``MatMulNBits`` at load, TensorRT reads it as weight-only
   quantization. A block offset (the min of GGUF's Q4_1/Q4_K/Q5_1/Q5_K blocks) adds the
-  product of the input's block sums and a float32 ``[K / block, N]`` matrix;
+  product of the input's block sums (one MatMul by a 0/1 indicator per input) and a float32
+  ``[K / block, N]`` matrix;
+- matrices that alone read one input tensor with the same K, bits, block and offset presence
+  (a layer's q, k, v; its gate and up) are stored as ONE such matrix, their codes, scales and
+  offsets concatenated along N (initializers named by the members joined with
+  :data:`PACK_SEP`), its product split back into theirs: fewer nodes for ORT to run;
 - an embedding table ``[V, D]``: ``Gather`` of its rows and of their scales, then
   ``DequantizeLinear`` (4-bit tables are stored in 8-bit containers: Gather takes no INT4);
   an output head tied to it reads the same initializers through a ``Transpose``;
@@ -29,6 +34,18 @@ from tqexport.weights.placeholders import GATHER, MATMUL, PLACEHOLDER_DOMAIN
 #: array
 Stored = Callable[[], "BlockWeight | np.ndarray"]
 
+#: joins the names of the matrices packed into one (their initializers' common base name)
+PACK_SEP = "+"
+#: a packed matrix's int64 initializer of its members' widths along N (the Split's sizes)
+WIDTHS = ".widths"
+#: the prefix of the graph's own constants (index constants, block-sum indicators): no weight
+INTERNAL = f"{PLACEHOLDER_DOMAIN}."
+
+
+def members(base: str) -> list[str]:
+    """The stored matrices whose initializers are named ``base`` (one unless packed)."""
+    return base.split(PACK_SEP)
+
 
 class _Emitter:
     def __init__(self, graph: onnx.GraphProto, model_dtype: int, data_file: Path | None):
@@ -37,11 +54,14 @@ class _Emitter:
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.consts: dict[tuple, str] = {}
+        self.sums: dict[tuple[str, int], str] = {}
+        self.indicators: set[str] = set()
         self.data_file = data_file
 
-    def node(self, op: str, inputs: list[str], out: str, **attrs) -> str:
-        self.nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
-        return out
+    def node(self, op: str, inputs: list[str], out: str | list[str], **attrs) -> str:
+        outs = [out] if isinstance(out, str) else out
+        self.nodes.append(helper.make_node(op, inputs, outs, name=outs[0], **attrs))
+        return outs[0]
 
     def init(self, name: str, array: np.ndarray, int4: bool = False) -> str:
         """Add ``array`` as an initializer (``int4``: its int8 values as INT4); with a data file
@@ -68,10 +88,21 @@ class _Emitter:
     def const(self, values: list[int]) -> str:
         key = tuple(values)
         if key not in self.consts:
-            name = f"tqexport.weights.const.{len(self.consts)}"
+            name = f"{INTERNAL}const.{len(self.consts)}"
             self.inits.append(numpy_helper.from_array(np.array(values, np.int64), name))
             self.consts[key] = name
         return self.consts[key]
+
+    def block_sums(self, x: str, k: int, block: int) -> str:
+        """``x``'s sums over blocks of ``block`` along its last axis ``K``: one MatMul by a 0/1
+        indicator ``[K, K / block]`` (one per (K, block)), emitted once per input."""
+        if (x, block) not in self.sums:
+            name = f"{INTERNAL}blocksums.{k}x{block}"
+            if name not in self.indicators:
+                self.indicators.add(self.init(name, np.repeat(np.eye(k // block, dtype=np.float32),
+                                                              block, axis=0)))  # fmt: skip
+            self.sums[x, block] = self.node("MatMul", [x, name], f"{x}.blocksums{block}")
+        return self.sums[x, block]
 
 
 #: elements written per slice of a large initializer
@@ -93,9 +124,9 @@ def _chunks(array: np.ndarray, int4: bool):
 class _Weight:
     """One stored weight's initializers, made on first use in the layout its readers need."""
 
-    def __init__(self, name: str, load: Stored, rows_layout: bool, em: _Emitter):
+    def __init__(self, name: str, value: BlockWeight | np.ndarray, rows_layout: bool,
+                 em: _Emitter):  # fmt: skip
         self.name, self.em = name, em
-        value = load()
         self.dense = isinstance(value, np.ndarray)
         self.rows = rows_layout
         self.k = value.shape[1]
@@ -126,6 +157,20 @@ class _Weight:
         return self._transposed
 
 
+def _block_matmul(em: _Emitter, kn: tuple[str, str, str | None], k: int, block: int, x: str,
+                  y: str, dq: str) -> None:  # fmt: skip
+    """``y = x @ W`` for the blocks ``kn`` (codes, scales, offsets ``[K, N]``): the MatMul of
+    their DequantizeLinear (output ``dq``), plus block sums times offsets where there are any."""
+    codes, scale, offset = kn
+    dq = em.node("DequantizeLinear", [codes, scale], dq, axis=0, block_size=block)
+    if offset is None:
+        em.node("MatMul", [x, dq], y)
+        return
+    main = em.node("MatMul", [x, dq], f"{y}.main")
+    corr = em.node("MatMul", [em.block_sums(x, k, block), offset], f"{y}.offset")
+    em.node("Add", [main, corr], y)
+
+
 def _matmul(em: _Emitter, w: _Weight, x: str, y: str, tag: str) -> None:
     if w.dense:
         data = w.data if not w.rows else em.node("Transpose", [w.data], f"{w.data}.T{tag}",
@@ -133,19 +178,63 @@ def _matmul(em: _Emitter, w: _Weight, x: str, y: str, tag: str) -> None:
         cast = em.node("Cast", [data], f"{w.name}.cast{tag}", to=em.dtype)
         em.node("MatMul", [x, cast], y)
         return
-    codes, scale, offset = w.kn()
-    dq = em.node("DequantizeLinear", [codes, scale], f"{w.name}.dq{tag}", axis=0,
-                 block_size=w.block)  # fmt: skip
-    if offset is None:
-        em.node("MatMul", [x, dq], y)
-        return
-    head = em.node("Shape", [x], f"{y}.lead", end=-1)
-    shape = em.node("Concat", [head, em.const([w.k // w.block, w.block])], f"{y}.blocks", axis=0)
-    blocks = em.node("Reshape", [x, shape], f"{y}.xb")
-    sums = em.node("ReduceSum", [blocks, em.const([-1])], f"{y}.xs", keepdims=0)
-    main = em.node("MatMul", [x, dq], f"{y}.main")
-    corr = em.node("MatMul", [sums, offset], f"{y}.offset")
-    em.node("Add", [main, corr], y)
+    _block_matmul(em, w.kn(), w.k, w.block, x, y, f"{w.name}.dq{tag}")
+
+
+def _pack_key(name: str, value: BlockWeight | np.ndarray) -> tuple:
+    """Matrices reading one input with equal keys are packed into one: blocks of the same K,
+    bits, block and offset presence; a float16 matrix's key is its own name (never packed)."""
+    if isinstance(value, np.ndarray):
+        return (name,)
+    return value.shape[1], value.bits, value.block, value.offset is None
+
+
+def _packed(em: _Emitter, names: list[str], values: list[BlockWeight], x: str,
+            ys: list[str]) -> list[StoredTensor]:  # fmt: skip
+    """``ys[i] = x @ values[i].T`` as one product over the matrices concatenated along N, split
+    back; the group (a few matrices) is held at once while its initializers are written."""
+    base = PACK_SEP.join(names)
+    first = values[0]
+
+    def cat(parts):
+        return np.concatenate(parts, axis=0).T
+
+    codes = em.init(f"{base}.codes", cat([v.codes for v in values]), int4=first.bits == 4)
+    scale = em.init(f"{base}.scale", cat([v.scale.astype(np.float32) for v in values]))
+    offset = None
+    if first.offset is not None:
+        offset = em.init(f"{base}.offset", cat([v.offset.astype(np.float32) for v in values]))
+    widths = np.array([v.shape[0] for v in values], np.int64)  # in the graph, not the data
+    em.inits.append(numpy_helper.from_array(widths, f"{base}{WIDTHS}"))  # file: shape inference
+    y = f"{ys[0]}.packed"
+    _block_matmul(em, (codes, scale, offset), first.shape[1], first.block, x, y, f"{y}.dq")
+    em.node("Split", [y, f"{base}{WIDTHS}"], ys, axis=-1)
+    return [
+        StoredTensor(n, f"int{v.bits}", v.block, v.source)
+        for n, v in zip(names, values, strict=True)
+    ]
+
+
+def _emit_group(em: _Emitter, group: list[tuple[str, str]], weights: Mapping[str, Stored],
+                x: str, tag: str) -> dict[str, StoredTensor]:  # fmt: skip
+    """The matrices ``group`` ((weight, output) of the stand-ins that alone read each, all
+    reading ``x``): those that match are packed, the others stored one by one."""
+    values = {name: weights[name]() for name, _ in group}
+    kinds: dict[tuple, list[tuple[str, str]]] = {}
+    for name, y in group:
+        kinds.setdefault(_pack_key(name, values[name]), []).append((name, y))
+    records = {}
+    for same in kinds.values():
+        if len(same) == 1:
+            ((name, y),) = same
+            w = _Weight(name, values[name], False, em)
+            _matmul(em, w, x, y, tag)
+            records[name] = w.record
+            continue
+        names = [n for n, _ in same]
+        out = _packed(em, names, [values[n] for n in names], x, [y for _, y in same])
+        records.update(zip(names, out, strict=True))
+    return records
 
 
 def _gather(em: _Emitter, w: _Weight, ids: str, y: str, tag: str) -> None:
@@ -174,29 +263,46 @@ def store_weights(model: onnx.ModelProto, weights: Mapping[str, Stored],
                   model_dtype: int = TensorProto.FLOAT,
                   data_file: Path | None = None) -> list[StoredTensor]:  # fmt: skip
     """Replace every stand-in node of ``model`` by standard ops over the initializers of its
-    stored weight (loaded once each, in graph order); returns how each weight is stored. With
-    ``data_file`` (the external data file the model is saved beside), each weight's bytes are
-    appended there as it is made, so no more than one weight is held in memory."""
+    stored weight (loaded once each, in graph order); returns how each weight is stored. The
+    MatMul stand-ins that alone read their weights and share an input are replaced together
+    (matching ones packed) at the first of them. With ``data_file`` (the external data file
+    the model is saved beside), each weight's bytes are appended there as it is made, so no
+    more than one weight (or one input's group of them) is held in memory."""
     graph = model.graph
     stand_ins = [n for n in graph.node if n.domain == PLACEHOLDER_DOMAIN]
     attrs = {id(n): {a.name: helper.get_attribute_value(a) for a in n.attribute} for n in stand_ins}
     name_of = {id(n): attrs[id(n)]["weight"].decode() for n in stand_ins}
-    gathered = {name_of[id(n)] for n in stand_ins if n.op_type == GATHER}
     missing = sorted(set(name_of.values()) - set(weights))
     if missing:
         raise KeyError(f"no stored weight for {missing[:3]}")
+    gathered = {name_of[id(n)] for n in stand_ins if n.op_type == GATHER}
+    readers: dict[str, int] = {}
+    for n in stand_ins:
+        readers[name_of[id(n)]] = readers.get(name_of[id(n)], 0) + 1
+    sole = {id(n) for n in stand_ins if n.op_type == MATMUL and readers[name_of[id(n)]] == 1}
+    by_input: dict[str, list[onnx.NodeProto]] = {}
+    for n in stand_ins:
+        if id(n) in sole:
+            by_input.setdefault(n.input[0], []).append(n)
     em = _Emitter(graph, model_dtype, data_file)
     made: dict[str, _Weight] = {}
+    records: dict[str, StoredTensor] = {}
     replaced: dict[int, list[onnx.NodeProto]] = {}
     for i, n in enumerate(stand_ins):
-        name = name_of[id(n)]
-        if name not in made:
-            made[name] = _Weight(name, weights[name], name in gathered, em)
-        start = len(em.nodes)
-        if n.op_type == MATMUL:
-            _matmul(em, made[name], n.input[0], n.output[0], f".{i}")
+        if id(n) in replaced:
+            continue
+        name, start = name_of[id(n)], len(em.nodes)
+        if id(n) in sole:
+            group = by_input[n.input[0]]
+            pairs = [(name_of[id(m)], m.output[0]) for m in group]
+            records.update(_emit_group(em, pairs, weights, n.input[0], f".{i}"))
+            replaced.update({id(m): [] for m in group})
         else:
-            _gather(em, made[name], n.input[0], n.output[0], f".{i}")
+            if name not in made:
+                made[name] = _Weight(name, weights[name](), name in gathered, em)
+                records[name] = made[name].record
+            reader = _matmul if n.op_type == MATMUL else _gather
+            reader(em, made[name], n.input[0], n.output[0], f".{i}")
         replaced[id(n)] = em.nodes[start:]
     nodes = []
     for n in graph.node:
@@ -207,7 +313,7 @@ def store_weights(model: onnx.ModelProto, weights: Mapping[str, Stored],
     for imp in list(model.opset_import):
         if imp.domain == PLACEHOLDER_DOMAIN:
             model.opset_import.remove(imp)
-    return [w.record for w in made.values()]
+    return [records[name] for name in dict.fromkeys(name_of[id(n)] for n in stand_ins)]
 
 
 #: the suffixes of one stored matrix's initializers (codes first: it decides the precision)
@@ -221,16 +327,18 @@ _PRECISION = {TensorProto.INT4: "int4", TensorProto.INT8: "int8", TensorProto.FL
 def weight_bytes(model: onnx.ModelProto) -> dict[str, int]:
     """Bytes the graph's initializers take by precision: a stored matrix's scales and offsets
     count with its codes; everything else by its own element type (``fp32``: the float
-    matrices, norms and biases)."""
+    matrices, norms and biases; the graph's own constants count nowhere)."""
     inits = {t.name: t for t in model.graph.initializer}
     out: dict[str, int] = {}
     for name, t in inits.items():
+        if name.startswith(INTERNAL):
+            continue
         size = int(np.prod(t.dims, dtype=np.int64)) * _ELEMENT_BITS.get(t.data_type, 32) // 8
         base = next((name[: -len(s)] for s in _PARTS if name.endswith(s)), None)
         codes = inits.get(f"{base}.codes") if base else None
         kind = (codes or t).data_type if base else t.data_type
         label = _PRECISION.get(kind, "fp32" if kind == TensorProto.FLOAT else None)
-        if label is not None:  # not index constants
+        if label is not None:  # not a packed matrix's widths
             out[label] = out.get(label, 0) + size
     return out
 
@@ -250,8 +358,8 @@ def _array(t: onnx.TensorProto) -> np.ndarray:
 
 def read_stored(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     """Every stored matrix of a built graph (external data loaded), dequantized to float32 in
-    its parameter's layout ``[N, K]``: what the torch reference computes with, so it and ONNX
-    Runtime hold the same weights."""
+    its parameter's layout ``[N, K]`` (a packed matrix split back into its members): what the
+    torch reference computes with, so it and ONNX Runtime hold the same weights."""
     inits = {t.name: t for t in model.graph.initializer}
     gathered = {i for n in model.graph.node if n.op_type == "Gather" for i in n.input[:1]}
     block_of = {
@@ -277,7 +385,14 @@ def read_stored(model: onnx.ModelProto) -> dict[str, np.ndarray]:
         block = block_of.get(name, block)
         w = BlockWeight(np.ascontiguousarray(codes), np.ascontiguousarray(scale), 8, block,
                         None if offset is None else np.ascontiguousarray(offset), "")  # fmt: skip
-        out[base] = w.dequantize()
+        dense = w.dequantize()
+        names = members(base)
+        if len(names) == 1:
+            out[base] = dense
+            continue
+        widths = numpy_helper.to_array(inits[f"{base}{WIDTHS}"])
+        parts = np.split(dense, np.cumsum(widths)[:-1], axis=0)
+        out.update((n, np.ascontiguousarray(p)) for n, p in zip(names, parts, strict=True))
     return out
 
 
