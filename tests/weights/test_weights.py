@@ -21,6 +21,7 @@ from tqexport.runtime.backends.ort import WEIGHTS_ACCURACY_ENTRY
 from tqexport.spec.limits import SpecError
 from tqexport.spec.weights import StoredTensor, WeightsSpec, weights_from_dict
 from tqexport.weights import gguf_source
+from tqexport.weights import graph as weights_graph
 from tqexport.weights.blocks import GGUF_DECODERS, decode_gguf, quantize_rtn
 from tqexport.weights.graph import INTERNAL, members, read_stored, store_weights, weight_bytes
 from tqexport.weights.placeholders import GATHER, MATMUL, PLACEHOLDER_DOMAIN
@@ -138,14 +139,16 @@ def test_the_reference_reads_back_exactly_what_was_stored():
     assert sizes["int8"] == n * k + 4 * n * (k // 16)
 
 
-def _readers_model(readers: dict[str, tuple[str, int, int]]) -> onnx.ModelProto:
-    """A graph of MatMul stand-ins, one per weight: ``readers[weight] = (input, K, N)``."""
+def _readers_model(readers: dict[str, tuple[str, int, int]], shapes: bool = True) -> onnx.ModelProto:
+    """A graph of MatMul stand-ins, one per weight: ``readers[weight] = (input, K, N)``
+    (``shapes``: the inputs' shapes, hence ranks, are known)."""
     nodes, outputs, inputs = [], [], {}
     for name, (inp, k, n) in readers.items():
         nodes.append(helper.make_node(MATMUL, [inp], [f"y.{name}"], domain=PLACEHOLDER_DOMAIN,
                                       weight=name))  # fmt: skip
         outputs.append(helper.make_tensor_value_info(f"y.{name}", TensorProto.FLOAT, ["M", n]))
-        inputs[inp] = helper.make_tensor_value_info(inp, TensorProto.FLOAT, ["M", k])
+        inputs[inp] = helper.make_tensor_value_info(inp, TensorProto.FLOAT,
+                                                    ["M", k] if shapes else None)  # fmt: skip
     graph = helper.make_graph(nodes, "g", list(inputs.values()), outputs)
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid(PLACEHOLDER_DOMAIN, 1)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=10)
@@ -166,27 +169,37 @@ _LAYER = {"q": ("x", 256, 64, "Q4_1"), "k": ("x", 256, 32, "Q4_1"), "v": ("x", 2
           "up": ("h", 256, 96, "Q4_K"), "down": ("a", 96, 256, "Q4_0")}  # fmt: skip
 
 
-def test_matrices_reading_one_input_are_packed_into_one_product(tmp_path):
+@pytest.mark.parametrize("indicator, shapes", [(True, True), (False, True), (False, False)])
+def test_matrices_reading_one_input_are_packed_into_one_product(tmp_path, monkeypatch, indicator,
+                                                                shapes):  # fmt: skip
     """q, k, v (one input, one block form) are one DequantizeLinear -> MatMul over their codes
     concatenated along N, one offset product and one Split; gate and up likewise; a matrix of
-    another form stays alone. Block sums are one MatMul by a shared 0/1 indicator per input.
-    Each output equals x times its dequantized matrix, the reference reads each matrix back
-    exactly, one record per matrix, and ORT runs 10 nodes where one product per matrix, its
-    block sums by Reshape and ReduceSum, ran 21 (measured on ONNX Runtime 1.21)."""
+    another form stays alone. Block sums are made once per input: one MatMul by a shared 0/1
+    indicator, or (an indicator over the size limit) a Reshape (to a constant shape where the
+    input's rank is known, else one made from its Shape) and a ReduceSum. Each output
+    equals x times its dequantized matrix, the reference reads each matrix back exactly, one
+    record per matrix, and ORT runs 10 nodes (12 by ReduceSum, 18 when the rank is unknown) where
+    one product per matrix, each with its block sums by Reshape and ReduceSum, ran 21."""
+    if not indicator:
+        monkeypatch.setattr(weights_graph, "INDICATOR_MAX_BYTES", 0)
     weights = {name: decode_gguf(blocks(t, n, k, seed=i), t, n, k)
                for i, (name, (_, k, n, t)) in enumerate(_LAYER.items())}  # fmt: skip
-    model = _readers_model({name: (x, k, n) for name, (x, k, n, _) in _LAYER.items()})
+    model = _readers_model({name: (x, k, n) for name, (x, k, n, _) in _LAYER.items()}, shapes)
     records = store_weights(model, {name: (lambda w=w: w) for name, w in weights.items()})
     assert [(r.name, r.precision, r.block_size, r.source) for r in records] == [
         (name, f"int{weights[name].bits}", weights[name].block, t)
         for name, (_, _, _, t) in _LAYER.items()]  # fmt: skip
     ops = [n.op_type for n in model.graph.node]
+    assert ops.count("Shape") == (0 if shapes else 2)
     assert ops.count("DequantizeLinear") == 4 and ops.count("Split") == 2
-    assert "ReduceSum" not in ops and ops.count("MatMul") == 4 + 2 + 2  # 2 inputs with offsets
+    sums = 2  # the inputs with offsets: x and h
+    assert ops.count("ReduceSum") == (0 if indicator else sums)
+    assert ops.count("MatMul") == 4 + sums + (sums if indicator else 0)
     names = {t.name for t in model.graph.initializer}
     assert {"q+k+v.codes", "q+k+v.offset", "q+k+v.widths", "gate+up.codes", "o.codes",
             "down.codes"} <= names  # fmt: skip
-    assert [n for n in names if "blocksums" in n] == ["tqexport.weights.blocksums.256x32"]
+    indicators = ["tqexport.weights.blocksums.256x32"] if indicator else []
+    assert [n for n in names if "blocksums" in n] == indicators
     rng = np.random.default_rng(5)
     feed = {x: rng.standard_normal((3, k)).astype(np.float32) for x, k, _, _ in _LAYER.values()}
     outs = _run(model, feed)
@@ -201,7 +214,8 @@ def test_matrices_reading_one_input_are_packed_into_one_product(tmp_path):
     assert sizes == {p: sum(w.storage_bytes() for w in weights.values() if w.bits == b)
                      for p, b in (("int4", 4), ("int8", 8))}  # fmt: skip
     ops = _optimized_ops(model, tmp_path)
-    assert len(ops) == 10 and ops.count("MatMulNBits") == 4 and ops.count("Split") == 2, ops
+    assert len(ops) == (10 if indicator else 12 if shapes else 18), ops
+    assert ops.count("MatMulNBits") == 4 and ops.count("Split") == 2, ops
 
 
 def test_weights_section_round_trips_and_refuses_what_does_not_fit():

@@ -5,8 +5,8 @@ placeholders`) becomes standard ONNX over initializers of the stored precision.
   ``[K, N]`` in blocks along K (opset 21 blocked form, float32 scales) feeding the MatMul; ONNX
   Runtime fuses the pair into ``MatMulNBits`` at load, TensorRT reads it as weight-only
   quantization. A block offset (the min of GGUF's Q4_1/Q4_K/Q5_1/Q5_K blocks) adds the
-  product of the input's block sums (one MatMul by a 0/1 indicator per input) and a float32
-  ``[K / block, N]`` matrix;
+  product of the input's block sums (made once per input: a MatMul by a 0/1 indicator, or a
+  Reshape and a ReduceSum where K is large) and a float32 ``[K / block, N]`` matrix;
 - matrices that alone read one input tensor with the same K, bits, block and offset presence
   (a layer's q, k, v; its gate and up) are stored as ONE such matrix, their codes, scales and
   offsets concatenated along N (initializers named by the members joined with
@@ -40,6 +40,10 @@ PACK_SEP = "+"
 WIDTHS = ".widths"
 #: the prefix of the graph's own constants (index constants, block-sum indicators): no weight
 INTERNAL = f"{PLACEHOLDER_DOMAIN}."
+#: the largest block-sum indicator (fp32 bytes): up to K = 2896 in blocks of 32. A MatMul by
+#: it ran SmolLM2's decode step (K 576 and 1536) 6% faster than Reshape + ReduceSum; beyond
+#: it the indicator's bytes (K^2 / 8 at block 32) would rival a weight's
+INDICATOR_MAX_BYTES = 1 << 20
 
 
 def members(base: str) -> list[str]:
@@ -56,6 +60,9 @@ class _Emitter:
         self.consts: dict[tuple, str] = {}
         self.sums: dict[tuple[str, int], str] = {}
         self.indicators: set[str] = set()
+        self.ranks = {v.name: len(v.type.tensor_type.shape.dim)
+                      for v in (*graph.input, *graph.value_info)
+                      if v.type.tensor_type.HasField("shape")}  # fmt: skip
         self.data_file = data_file
 
     def node(self, op: str, inputs: list[str], out: str | list[str], **attrs) -> str:
@@ -94,15 +101,30 @@ class _Emitter:
         return self.consts[key]
 
     def block_sums(self, x: str, k: int, block: int) -> str:
-        """``x``'s sums over blocks of ``block`` along its last axis ``K``: one MatMul by a 0/1
-        indicator ``[K, K / block]`` (one per (K, block)), emitted once per input."""
-        if (x, block) not in self.sums:
+        """``x``'s sums over blocks of ``block`` along its last axis ``K``, made once per input:
+        one MatMul by a 0/1 indicator ``[K, K / block]`` (one per (K, block)) while that takes
+        at most :data:`INDICATOR_MAX_BYTES`, else a ``Reshape`` to ``[..., K / block, block]``
+        and a ``ReduceSum``."""
+        if (x, block) in self.sums:
+            return self.sums[x, block]
+        out = f"{x}.blocksums{block}"
+        if 4 * k * (k // block) <= INDICATOR_MAX_BYTES:
             name = f"{INTERNAL}blocksums.{k}x{block}"
             if name not in self.indicators:
                 self.indicators.add(self.init(name, np.repeat(np.eye(k // block, dtype=np.float32),
                                                               block, axis=0)))  # fmt: skip
-            self.sums[x, block] = self.node("MatMul", [x, name], f"{x}.blocksums{block}")
-        return self.sums[x, block]
+            self.sums[x, block] = self.node("MatMul", [x, name], out)
+            return out
+        rank = self.ranks.get(x)
+        if rank is not None:
+            shape = self.const([0] * (rank - 1) + [k // block, block])
+        else:
+            lead = self.node("Shape", [x], f"{x}.lead{block}", end=-1)
+            shape = self.node("Concat", [lead, self.const([k // block, block])],
+                              f"{x}.blocks{block}", axis=0)  # fmt: skip
+        blocks = self.node("Reshape", [x, shape], f"{x}.xb{block}")
+        self.sums[x, block] = self.node("ReduceSum", [blocks, self.const([-1])], out, keepdims=0)
+        return out
 
 
 #: elements written per slice of a large initializer
