@@ -1,10 +1,11 @@
 """Decode tokens/s of two builds of the same artifacts, interleaved step by step in one process.
 
-``--before`` and ``--after`` are ``tqexport bench speed`` workdirs (``MODEL-DTYPE`` artifact
-directories, e.g. one built before a change to the ops and one after). Every artifact at every
-batch size of one context runs in the same loop, one step of each in turn, so a loaded machine
-slows them alike: compare the ratios, not the absolute numbers. Prints tokens/s, the speed-up,
-batch scaling (batch B tokens/s over batch 1) and each dtype's ratio to ``auto``.
+``--before`` and ``--after`` are ``tqexport bench speed`` workdirs (its artifact directories,
+``MODEL-DTYPE-WEIGHTS``, e.g. one built before a change to the ops or the graph and one after).
+Every artifact at every batch size of one context runs in the same loop, one step of each in
+turn, so a loaded machine slows them alike: compare the ratios, not the absolute numbers.
+Prints tokens/s, the speed-up, batch scaling (batch B tokens/s over batch 1) and each dtype's
+ratio to ``auto``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from tqexport.bench.speed import decode_run
+from tqexport.bench.speed import artifact_dir, decode_run
 from tqexport.contract.artifact import open_artifact
+from tqexport.spec.request import DEFAULT_WEIGHTS, WEIGHTS
 
 
 def main():
@@ -28,13 +30,14 @@ def main():
     ap.add_argument("--dtypes", default="auto,fp8,turboquant_4bit_nc")
     ap.add_argument("--contexts", default="1024,4096")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--weights", default=DEFAULT_WEIGHTS, choices=WEIGHTS)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     args = ap.parse_args()
     dtypes = args.dtypes.split(",")
     arts = {
-        (when, d): open_artifact(root / f"{args.model}-{d}")
+        (when, d): open_artifact(artifact_dir(args.model, d, root, weights=args.weights))
         for when, root in (("before", args.before), ("after", args.after))
         for d in dtypes
     }

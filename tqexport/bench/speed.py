@@ -31,14 +31,20 @@ from tqexport.spec.request import DEFAULT_WEIGHTS
 from tqexport.validate import DEFAULT_KV_CACHE_MEMORY, parse_memory
 
 
+def artifact_dir(model: str, kv_cache_dtype: str, workdir: Path, recent_window: int = 0,
+                 weights: str = DEFAULT_WEIGHTS) -> Path:  # fmt: skip
+    """Where :func:`artifact_for` keeps MODEL's artifact of this configuration in ``workdir``."""
+    suffix = f"-recent{recent_window}" if recent_window else ""
+    return workdir / f"{Path(model).name}-{kv_cache_dtype}{suffix}-{weights}"
+
+
 def artifact_for(model: str, kv_cache_dtype: str, workdir: Path, recent_window: int = 0,
                  weights: str = DEFAULT_WEIGHTS):  # fmt: skip
     """The artifact of MODEL at this kv dtype, recent window and ``--weights``, built into
     ``workdir`` once and then reused (refused if the folder holds another build)."""
     from tqexport.export.artifact_build import build_artifact
 
-    suffix = f"-recent{recent_window}" if recent_window else ""
-    out = workdir / f"{Path(model).name}-{kv_cache_dtype}{suffix}-{weights}"
+    out = artifact_dir(model, kv_cache_dtype, workdir, recent_window, weights)
     request = BuildRequest(kv_cache_dtype, recent_window=recent_window, weights=weights)
     if not (out / "tqexport.json").is_file():
         workdir.mkdir(parents=True, exist_ok=True)
