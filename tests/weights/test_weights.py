@@ -139,7 +139,8 @@ def test_the_reference_reads_back_exactly_what_was_stored():
     assert sizes["int8"] == n * k + 4 * n * (k // 16)
 
 
-def _readers_model(readers: dict[str, tuple[str, int, int]], shapes: bool = True) -> onnx.ModelProto:
+def _readers_model(readers: dict[str, tuple[str, int, int]],
+                   shapes: bool = True) -> onnx.ModelProto:  # fmt: skip
     """A graph of MatMul stand-ins, one per weight: ``readers[weight] = (input, K, N)``
     (``shapes``: the inputs' shapes, hence ranks, are known)."""
     nodes, outputs, inputs = [], [], {}
