@@ -201,6 +201,18 @@ def test_existing_output_needs_force(tmp_path, artifacts):
         build_artifact("tiny-llama", existing, BuildRequest())
 
 
+def spec_text(old: str, new: str):
+    """An edit of an artifact that replaces ``old`` by ``new`` in its tqexport.json."""
+
+    def edit(d):
+        path = d / "tqexport.json"
+        text = path.read_text()
+        assert old in text
+        path.write_text(text.replace(old, new))
+
+    return edit
+
+
 def corrupt(tmp_path, artifacts, edit):
     import shutil
 
@@ -222,40 +234,18 @@ def corrupt(tmp_path, artifacts, edit):
             "truncated",
         ),
         (lambda d: (d / "model.onnx.data").write_bytes(b"x"), "missing or truncated"),
-        (
-            lambda d: (d / "tqexport.json").write_text(
-                (d / "tqexport.json")
-                .read_text()
-                .replace('"schema_version": 1', '"schema_version": 9')
-            ),
-            "schema version 9",
-        ),
-        (
-            lambda d: (d / "tqexport.json").write_text(
-                (d / "tqexport.json").read_text().replace('"fp8"', '"fp8_e5m2"')
-            ),
-            "differs from the spec embedded",
-        ),
+        (spec_text('"schema_version": 1', '"schema_version": 9'), "schema version 9"),
+        (spec_text('"fp8"', '"fp8_e5m2"'), "differs from the spec embedded"),
         (  # the top-level block size sizes every block table: it must be the layers'
-            lambda d: (d / "tqexport.json").write_text(
-                (d / "tqexport.json")
-                .read_text()
-                .replace('  "block_size": 16,\n  "request"', '  "block_size": 32,\n  "request"')
-            ),
+            spec_text('  "block_size": 16,\n  "request"', '  "block_size": 32,\n  "request"'),
             "differs from the spec's block_size 32",
         ),
         (
-            lambda d: (d / "tqexport.json").write_text(
-                (d / "tqexport.json")
-                .read_text()
-                .replace('"num_kv_heads": 2', '"num_kv_heads": null')
-            ),
+            spec_text('"num_kv_heads": 2', '"num_kv_heads": null'),
             r"'num_kv_heads' must be an integer in 1\.\.1024, got null",
         ),
         (
-            lambda d: (d / "tqexport.json").write_text(
-                (d / "tqexport.json").read_text().replace('"head_size": 64', '"head_size": 65536')
-            ),
+            spec_text('"head_size": 64', '"head_size": 65536'),
             r"'head_size' must be an integer in 1\.\.1024, got 65536",
         ),
         (
