@@ -19,6 +19,7 @@ placeholders`) becomes standard ONNX over initializers of the stored precision.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -298,9 +299,7 @@ def store_weights(model: onnx.ModelProto, weights: Mapping[str, Stored],
     if missing:
         raise KeyError(f"no stored weight for {missing[:3]}")
     gathered = {name_of[id(n)] for n in stand_ins if n.op_type == GATHER}
-    readers: dict[str, int] = {}
-    for n in stand_ins:
-        readers[name_of[id(n)]] = readers.get(name_of[id(n)], 0) + 1
+    readers = Counter(name_of.values())
     sole = {id(n) for n in stand_ins if n.op_type == MATMUL and readers[name_of[id(n)]] == 1}
     by_input: dict[str, list[onnx.NodeProto]] = {}
     for n in stand_ins:
