@@ -72,15 +72,16 @@ inline void dots(const float* const* a, const float* b, int n, int d, float* out
   }
 }
 
-// Only the 16-lane kernel (AVX-512) scores and weighs 4-bit TurboQuant codes in registers
-// (score_codes4, accumulate_codes4); the narrower ones decode them into the tile first.
-constexpr bool kFusedCodes4 = simd::kLanes == 16;
+// The vector kernels (AVX-512, AVX2) score and weigh 4-bit TurboQuant codes in registers
+// (score_codes4, accumulate_codes4); the baseline one decodes them into the tile first.
+constexpr bool kFusedCodes4 = simd::kLanes >= 8;
 
 // Scores of a tile's keys stored as 4-bit codes in parts order (key[j]: key j's d / 2 bytes,
 // d a multiple of 2 * kLanes) against R query rows in parts order, and each key's squared
 // norm: the keys are decoded in registers, each read once for every row.
 // out[r][j] = q[r] . key j.
-// D: the head size when known at compile time (the rows' queries then stay in registers), or 0
+// D: the head size when known at compile time (the rows' queries then stay in registers; only
+// the 16-lane kernel has the registers for them), or 0
 template <int R, int D>
 void score_codes4(const uint8_t* const* key, int nk, int d, const float* table,
                   const float* const* q, float* const* out, float* sumsq) {
@@ -122,40 +123,39 @@ void score_codes4(const uint8_t* const* key, int nk, int d, const float* table,
 }
 
 // acc[r] = acc[r] * corr[r] + sum_j w[r][j] * codes of value j (4-bit codes in parts order,
-// code[j]: value j's d / 2 bytes, d a multiple of 2 * kLanes) for R rows: kHeld vectors of
-// columns of every row stay in registers while the tile's codes stream past.
+// code[j]: value j's d / 2 bytes, d a multiple of 2 * kLanes) for R rows. A pass holds in
+// registers the columns of kChunks vectors of bytes (a byte's low nibble: a column of the first
+// half, its high nibble: of the second) while the tile's codes stream past, so each byte is
+// read once; R x 2 x kChunks sums fit the ISA's registers.
 template <int R>
 void accumulate_codes4(float* const* acc, const float* corr, const float* const* w,
                        const uint8_t* const* code, int nk, int d) {
   using namespace simd;
-  constexpr int kHeld = 4;
+  constexpr int kChunks = kLanes == 16 ? 2 : 1;
   const int half = d / 2;
-  for (int c0 = 0; c0 < d; c0 += kHeld * kLanes) {
-    const int nc = std::min(kHeld, (d - c0) / kLanes);
-    Floats a[R][kHeld];
+  for (int b0 = 0; b0 < half; b0 += kChunks * kLanes) {
+    const int nc = std::min(kChunks, (half - b0) / kLanes);
+    Floats a[R][2 * kChunks];
     for (int r = 0; r < R; ++r)
-      for (int k = 0; k < nc; ++k)
-        a[r][k] = mul(load(acc[r] + c0 + kLanes * k), broadcast(corr[r]));
-    for (int j = 0; j < nk; ++j) {
-      if (d == kHeld * kLanes) {  // each byte load serves two vectors: low and high nibbles
-        const Ints x0 = widen_bytes(code[j]), x1 = widen_bytes(code[j] + kLanes);
-        const Floats v[kHeld] = {to_floats(low_nibbles(x0)), to_floats(low_nibbles(x1)),
-                                 to_floats(high_nibbles(x0)), to_floats(high_nibbles(x1))};
+      for (int k = 0; k < nc; ++k) {
+        a[r][2 * k] = mul(load(acc[r] + b0 + kLanes * k), broadcast(corr[r]));
+        a[r][2 * k + 1] = mul(load(acc[r] + half + b0 + kLanes * k), broadcast(corr[r]));
+      }
+    for (int j = 0; j < nk; ++j)
+      for (int k = 0; k < nc; ++k) {
+        const Ints x = widen_bytes(code[j] + b0 + kLanes * k);
+        const Floats lo = to_floats(low_nibbles(x)), hi = to_floats(high_nibbles(x));
         for (int r = 0; r < R; ++r) {
           const Floats wr = broadcast(w[r][j]);
-          for (int k = 0; k < kHeld; ++k) a[r][k] = fmadd(wr, v[k], a[r][k]);
+          a[r][2 * k] = fmadd(wr, lo, a[r][2 * k]);
+          a[r][2 * k + 1] = fmadd(wr, hi, a[r][2 * k + 1]);
         }
-        continue;
       }
-      for (int k = 0; k < nc; ++k) {
-        const int c = c0 + kLanes * k;
-        const Ints x = widen_bytes(code[j] + (c < half ? c : c - half));
-        const Floats v = to_floats(c < half ? low_nibbles(x) : high_nibbles(x));
-        for (int r = 0; r < R; ++r) a[r][k] = fmadd(broadcast(w[r][j]), v, a[r][k]);
-      }
-    }
     for (int r = 0; r < R; ++r)
-      for (int k = 0; k < nc; ++k) store(acc[r] + c0 + kLanes * k, a[r][k]);
+      for (int k = 0; k < nc; ++k) {
+        store(acc[r] + b0 + kLanes * k, a[r][2 * k]);
+        store(acc[r] + half + b0 + kLanes * k, a[r][2 * k + 1]);
+      }
   }
 }
 
@@ -174,7 +174,7 @@ inline void accumulate_codes4_rows(float* const* acc, const float* corr, const f
 template <int R>
 inline void score_codes4_d(const uint8_t* const* key, int nk, int d, const float* table,
                            const float* const* q, float* const* out, float* sumsq) {
-  if (d == 64)
+  if (simd::kLanes == 16 && d == 64)
     score_codes4<R, 64>(key, nk, d, table, q, out, sumsq);
   else
     score_codes4<R, 0>(key, nk, d, table, q, out, sumsq);
