@@ -71,6 +71,15 @@ inline float e4m3_value(uint8_t b) {
   return float_of(bits_of(v) | (static_cast<uint32_t>(b & 0x80) << 24));
 }
 
+// d e4m3 bytes -> values x scale, a vector of bytes at a time
+inline void e4m3_decode(const uint8_t* in, int d, float scale, float* out) {
+  static_assert(gen::kE4M3Mantissa == 3 && gen::kE4M3Bias == 7, "simd::e4m3_floats' layout");
+  int i = 0;
+  for (; i + simd::kLanes <= d; i += simd::kLanes)
+    simd::store(out + i, simd::mul(simd::e4m3_floats(in + i), simd::broadcast(scale)));
+  for (; i < d; ++i) out[i] = e4m3_value(in[i]) * scale;
+}
+
 // a little-endian fp16 field
 inline float get_half(const uint8_t* p) {
   return simd::half_to_float(static_cast<uint16_t>(p[0] | (p[1] << 8)));
@@ -106,6 +115,7 @@ inline void nvfp4_decode(const uint8_t* in, int d, float global_scale, float* ou
 
 }  // namespace detail
 
+using detail::e4m3_decode;
 using detail::e4m3_value;
 using detail::get_half;
 using detail::nvfp4_decode;
@@ -137,7 +147,7 @@ inline float decode_key(const Format& f, const CacheView& c, int64_t th, float* 
       if (f.fp8 != &gen::kE4M3Format) {
         for (int i = 0; i < d; ++i) out[i] = f.k_table[b[i]];
       } else {
-        for (int i = 0; i < d; ++i) out[i] = e4m3_value(b[i]) * f.k_scale;
+        e4m3_decode(b, d, f.k_scale, out);
       }
       return 1.0f;
     }
@@ -148,7 +158,7 @@ inline float decode_key(const Format& f, const CacheView& c, int64_t th, float* 
     }
     case Mode::FP8_PER_TOKEN_HEAD: {
       const uint8_t* b = c.data[0] + th * d;
-      for (int i = 0; i < d; ++i) out[i] = e4m3_value(b[i]);
+      e4m3_decode(b, d, 1.0f, out);
       return reinterpret_cast<const float*>(c.data[2])[th];
     }
     case Mode::INT4_PER_TOKEN_HEAD: {
@@ -168,7 +178,7 @@ inline float decode_key(const Format& f, const CacheView& c, int64_t th, float* 
       const auto& lay = *f.layout;
       const uint8_t* slot = c.data[0] + th * lay.slot_size_aligned;
       if (f.preset->key_bits == 8) {
-        for (int i = 0; i < d; ++i) out[i] = e4m3_value(slot[i]);
+        e4m3_decode(slot, d, 1.0f, out);
         return 1.0f;
       }
       if (f.key_parts())
@@ -243,7 +253,7 @@ inline void decode_value(const Format& f, const CacheView& c, int64_t th, float*
       if (f.fp8 != &gen::kE4M3Format) {
         for (int i = 0; i < d; ++i) out[i] = f.v_table[b[i]];
       } else {
-        for (int i = 0; i < d; ++i) out[i] = e4m3_value(b[i]) * f.v_scale;
+        e4m3_decode(b, d, f.v_scale, out);
       }
       return;
     }
@@ -256,7 +266,7 @@ inline void decode_value(const Format& f, const CacheView& c, int64_t th, float*
     case Mode::FP8_PER_TOKEN_HEAD: {
       const uint8_t* b = c.data[1] + th * d;
       const float s = reinterpret_cast<const float*>(c.data[3])[th];
-      for (int i = 0; i < d; ++i) out[i] = e4m3_value(b[i]) * s;
+      e4m3_decode(b, d, s, out);
       return;
     }
     case Mode::INT4_PER_TOKEN_HEAD: {

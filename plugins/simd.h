@@ -15,6 +15,7 @@
 //                                low nibble of byte k)
 //   Table16, load_table16, lookup  16 floats, looked up by 4-bit index per lane
 //   half_to_float                fp16 bits to float, exact (F16C quiets a signalling NaN)
+//   e4m3_floats(p)               kLanes fp8 e4m3 bytes to floats, exact (NaN at 0x7f / 0xff)
 #pragma once
 
 #ifndef TQX_ISA
@@ -24,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -213,6 +215,43 @@ inline float half_to_float(uint16_t h) {
   return half_value(h);
 #endif
 }
+
+// An e4m3 byte s.eeee.mmm is the fp16 s.0eeee.mmm0000000 times 2^8 (the exponent biases differ
+// by 8; e4m3 subnormals become fp16 subnormals), so one fp16 conversion decodes it; only
+// |byte| 0x7f, NaN in e4m3, needs a fix-up.
+#if defined(__AVX512F__)
+inline Floats e4m3_floats(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7f));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
+                                    _mm256_slli_epi16(_mm256_xor_si256(b, mag), 8));
+  const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+  const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
+  if (!nan) return v;
+  const __m512 signed_nan = _mm512_or_ps(_mm512_and_ps(v, _mm512_set1_ps(-0.0f)),
+                                         _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  return _mm512_mask_blend_ps(nan, v, signed_nan);
+}
+#elif defined(__AVX2__)
+inline Floats e4m3_floats(const uint8_t* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_slli_epi16(_mm_xor_si128(b, mag), 8));
+  const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+  const __m128i nan = _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f));
+  if (_mm_testz_si128(nan, nan)) return v;
+  const __m256 signed_nan = _mm256_or_ps(_mm256_and_ps(v, _mm256_set1_ps(-0.0f)),
+                                         _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  return _mm256_blendv_ps(v, signed_nan, _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan)));
+}
+#else
+inline Floats e4m3_floats(const uint8_t* p) {
+  const uint16_t h = static_cast<uint16_t>(((p[0] & 0x7f) << 7) | ((p[0] & 0x80) << 8));
+  const float v = half_to_float(h) * 256.0f;
+  if ((p[0] & 0x7f) != 0x7f) return v;
+  return float_of(bits_of(std::numeric_limits<float>::quiet_NaN()) | (bits_of(v) & 0x80000000u));
+}
+#endif
 
 }  // namespace simd
 }  // namespace TQX_ISA

@@ -388,6 +388,28 @@ def test_paged_attention_matches_the_reference(library, dtype, feature, d, model
         assert not got[zero_rows].any()
 
 
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_per_token_head"])
+def test_every_e4m3_byte_decodes_exactly_as_the_reference(library, dtype):
+    """Four one-token sequences whose values hold all 256 e4m3 bytes (subnormals, both zeros,
+    the largest, NaN at 0x7f/0xff) and whose keys are zero: each output row is its value's
+    decoding times its scale, bit for bit the reference's (NaN where the byte is NaN)."""
+    spec = cache_spec(dtype, d=64, block_size=4, kv_heads=1)
+    g = torch.Generator().manual_seed(0)
+    cache = random_cache(spec, 5, g)
+    roles = [t.role for t in spec.tensors]
+    cache[roles.index("k")].zero_()
+    cache[roles.index("v")][1:, 0, 0] = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
+    step = [torch.arange(1, 5, dtype=torch.int32).reshape(4, 1), torch.ones(4, dtype=torch.int32),
+            torch.arange(5, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)]  # fmt: skip
+    q = torch.randn((4, 1, 64), generator=g)
+    ref = reference.paged_attention(spec.codec, q, cache, *step, scale=0.125)
+    sess = native_session(library, PAGED_ATTENTION, attention_attrs(spec, Features(groups=1)), [q, *cache, *step],
+                          [("float32", 3)])  # fmt: skip
+    (got,) = sess.run(None, feed([q, *cache, *step]))
+    assert np.isnan(got).sum() == 2
+    np.testing.assert_array_equal(got, ref.numpy())
+
+
 #: decode items over every kv head: a sequence of one token, windows, sinks and recent windows
 #: that cross the kernel's splits (1030 keys: 3 splits of 344)
 DECODE_ALL_HEADS = ([Seq(1, 1), Seq(1030, 1), Seq(513, 1), Seq(0, 1, start=0)], 1)
@@ -732,7 +754,7 @@ def test_the_narrower_attention_kernels_match_the_reference(library, isa):
         **{ISA_ENV: isa},
     )
     cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-p",
-           "no:xdist", "-k", "runs_as_the_cpu or (matches_the_reference and "
+           "no:xdist", "-k", "runs_as_the_cpu or every_e4m3_byte or (matches_the_reference and "
            "(everything or gqa-128 or gqa-256))"]  # fmt: skip
     res = subprocess.run(cmd, cwd=native_build.ROOT, env=env, capture_output=True, text=True,
                          timeout=540)  # fmt: skip
