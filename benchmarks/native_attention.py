@@ -1,6 +1,7 @@
 """Thread CPU time of one native PagedAttention node (one decode step of one layer).
 
-The shapes of SmolLM2's layers (9 query heads over 3 kv heads of 64, blocks of 16): B sequences
+The shapes of SmolLM2's layers by default (9 query heads over 3 kv heads of 64, blocks of 16;
+``--shape`` gives others, e.g. 14x2x64 for Qwen2.5 Coder 0.5B): B sequences
 with C cached tokens each, one query per sequence, each sequence's blocks contiguous as
 ``peers_speed.py`` lays them out (``--scatter``: a random permutation, as a long-running server's
 recycled blocks lie). Caches are filled by the native CacheWrite from normal keys and values.
@@ -47,11 +48,11 @@ def session(op: str, attrs: dict, inputs: dict, outputs: dict, library: str, thr
 
 
 def measure(dtype: str, context: int, batch: int, repeats: int, scatter: bool,
-            libraries: list[str], threads: int) -> list[float]:  # fmt: skip
+            libraries: list[str], threads: int, shape=(9, 3, 64)) -> list[float]:  # fmt: skip
     """Fastest thread CPU ms of one PagedAttention step at ``dtype``, per library (their runs
     interleaved, so a change of load hits them alike; the caches written by the first)."""
     library = libraries[0]
-    heads, kvh, d, bs = 9, 3, 64, 16
+    (heads, kvh, d), bs = shape, 16
     spec = KVCacheSpec(kv_cache_dtype=dtype, num_kv_heads=kvh, head_size=d, block_size=bs,
                        model_dtype="float32")  # fmt: skip
     rng = np.random.default_rng(0)
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1, help="above 1: wall time, not CPU time")
     ap.add_argument("--scatter", action="store_true")
+    ap.add_argument("--shape", default="9x3x64", help="HEADSxKV_HEADSxHEAD_SIZE")
     ap.add_argument(
         "--baseline",
         help="another build of the library (say, of the previous commit): timed beside this "
@@ -114,13 +116,14 @@ def main(argv: list[str] | None = None):
     print(f"kernel ISA cap: {os.environ.get('TQEXPORT_NATIVE_ISA') or 'none'}; "
           f"load {os.getloadavg()[0]:.2f}")  # fmt: skip
     dtypes = args.dtypes.split(",")
+    shape = tuple(int(x) for x in args.shape.split("x"))
     print("| point | " + " | ".join(f"{d} ms" for d in dtypes) + " |")
     print("|---" * (len(dtypes) + 1) + "|")
     for point in args.points.split(","):
         c, b = (int(x) for x in point.split("x"))
         cells = []
         for d in dtypes:
-            ms = measure(d, c, b, args.repeats, args.scatter, libraries, args.threads)
+            ms = measure(d, c, b, args.repeats, args.scatter, libraries, args.threads, shape)
             ratio = f" ({ms[0] / ms[-1]:.2f}x)" if len(ms) > 1 else ""
             cells.append(" / ".join(f"{m:.2f}" for m in ms) + ratio)
         print(f"| {point} | " + " | ".join(cells) + " |", flush=True)

@@ -23,7 +23,7 @@ namespace {
 using attn::kNegInf;
 constexpr int kKeyTile = 32;
 constexpr int kQueryBlockRows = attn::kQueryBlock;  // queries of an item, at most
-constexpr int kFusedRows = 4;  // query rows per pass of score_codes4
+constexpr int kFusedRows = 4;  // query rows per pass of accumulate_codes4
 
 enum class Kind { Main, Recent, Sink };
 
@@ -75,6 +75,9 @@ inline void dots(const float* const* a, const float* b, int n, int d, float* out
 // The vector kernels (AVX-512, AVX2) score and weigh 4-bit TurboQuant codes in registers
 // (score_codes4, accumulate_codes4); the baseline one decodes them into the tile first.
 constexpr bool kFusedCodes4 = simd::kLanes >= 8;
+// query rows per pass of score_codes4: AVX-512 holds 64-float queries in registers, AVX2 reads
+// them from memory and has the registers for 8 rows' sums (a GQA group of Qwen's 7 in one)
+constexpr int kScoreRows = simd::kLanes == 16 ? 4 : 8;
 
 // Scores of a tile's keys stored as 4-bit codes in parts order (key[j]: key j's d / 2 bytes,
 // d a multiple of 2 * kLanes) against R query rows in parts order, and each key's squared
@@ -182,12 +185,16 @@ inline void score_codes4_d(const uint8_t* const* key, int nk, int d, const float
 
 inline void score_codes4_rows(const uint8_t* const* key, int nk, int d, const float* table,
                               const float* const* q, int rows, float* const* out, float* sumsq) {
-  for (int r = 0; r < rows; r += kFusedRows) {
-    switch (std::min(kFusedRows, rows - r)) {
+  for (int r = 0; r < rows; r += kScoreRows) {
+    switch (std::min(kScoreRows, rows - r)) {
       case 1: score_codes4_d<1>(key, nk, d, table, q + r, out + r, sumsq); break;
       case 2: score_codes4_d<2>(key, nk, d, table, q + r, out + r, sumsq); break;
       case 3: score_codes4_d<3>(key, nk, d, table, q + r, out + r, sumsq); break;
-      default: score_codes4_d<4>(key, nk, d, table, q + r, out + r, sumsq); break;
+      case 4: score_codes4_d<4>(key, nk, d, table, q + r, out + r, sumsq); break;
+      case 5: score_codes4_d<5>(key, nk, d, table, q + r, out + r, sumsq); break;
+      case 6: score_codes4_d<6>(key, nk, d, table, q + r, out + r, sumsq); break;
+      case 7: score_codes4_d<7>(key, nk, d, table, q + r, out + r, sumsq); break;
+      default: score_codes4_d<8>(key, nk, d, table, q + r, out + r, sumsq); break;
     }
   }
 }
@@ -362,10 +369,10 @@ bool gather_keys(const AttentionStep& s, const PagedSource& src, int nk, const i
 // norm (sumsq)
 void score_key_codes(const Format& fmt, const TileKeys& keys, int nk, int d,
                      const float* queries, int r0, int nr, Scratch& sc, float* sumsq) {
-  for (int r = r0; r < r0 + nr; r += kFusedRows) {
-    const int n = std::min(kFusedRows, r0 + nr - r);
-    const float* qs[kFusedRows];
-    float* out[kFusedRows];
+  for (int r = r0; r < r0 + nr; r += kScoreRows) {
+    const int n = std::min(kScoreRows, r0 + nr - r);
+    const float* qs[kScoreRows];
+    float* out[kScoreRows];
     for (int i = 0; i < n; ++i) {
       qs[i] = queries + size_t(r + i) * d;
       out[i] = &sc.scores[size_t(r + i) * kKeyTile];
