@@ -244,3 +244,15 @@ def test_prefill_peers_times_the_same_prompt_for_each_system(tmp_path):
         assert list(r["seconds"]) == ["tqexport fp8"]
         assert r["tokens_per_second"]["tqexport fp8"] == r["context"] / r["seconds"]["tqexport fp8"]
         assert set(r["loadavg"]) == {"before", "after"}
+
+
+def test_an_artifact_runs_under_its_builds_name_beside_auto(artifacts, tmp_path):
+    """A recent-window build and a per-layer plan (what --kv-bits builds) are named as bench
+    quality names them, so neither takes the place of the auto artifact run beside it."""
+    from tqexport.bench.matrix import speed_artifacts
+
+    kv = "0:fp8,1-4:tqx_k4v3_mse:w8:s2,5:auto"
+    plan = artifacts("tiny-llama", "auto", kv_layers=kv, key_transform="center")
+    recent = artifacts("tiny-llama", "fp8", recent_window=32)
+    names = [list(speed_artifacts(a, None, [0], "auto", tmp_path)[0]) for a in (plan, recent)]
+    assert names == [[f"layers {kv} keys center"], ["fp8 recent 32"]]

@@ -243,9 +243,12 @@ def speed_artifacts(
 
     check = check or (lambda spec, label: None)
     if is_artifact(target):
+        from tqexport.bench.quality import Config
+
         art = open_artifact(target)
         check(art.spec, str(target))
-        name = (art.spec.request or BuildRequest()).kv_cache_dtype
+        # named as bench quality names it: a --kv-bits or --kv-layers plan is not "auto"
+        name = Config(art.spec.request or BuildRequest()).label
 
         def build_one(say: Say) -> dict:
             own = (art.spec.request or BuildRequest()).weights
