@@ -402,9 +402,9 @@ def test_every_e4m3_byte_decodes_exactly_as_the_reference(library, dtype):
     step = [torch.arange(1, 5, dtype=torch.int32).reshape(4, 1), torch.ones(4, dtype=torch.int32),
             torch.arange(5, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)]  # fmt: skip
     q = torch.randn((4, 1, 64), generator=g)
-    ref = reference.paged_attention(spec.codec, q, cache, *step, scale=0.125)
-    sess = native_session(library, PAGED_ATTENTION, attention_attrs(spec, Features(groups=1)), [q, *cache, *step],
-                          [("float32", 3)])  # fmt: skip
+    ref = reference.paged_attention(spec.codec, q, cache, *step, scale=spec.head_size**-0.5)
+    attrs = attention_attrs(spec, Features(groups=1))
+    sess = native_session(library, PAGED_ATTENTION, attrs, [q, *cache, *step], [("float32", 3)])
     (got,) = sess.run(None, feed([q, *cache, *step]))
     assert np.isnan(got).sum() == 2
     np.testing.assert_array_equal(got, ref.numpy())

@@ -247,12 +247,13 @@ def speed_artifacts(
 
         art = open_artifact(target)
         check(art.spec, str(target))
+        request = art.spec.request or BuildRequest()
         # named as bench quality names it: a --kv-bits or --kv-layers plan is not "auto"
-        name = Config(art.spec.request or BuildRequest()).label
+        name = Config(request).label
 
         def build_one(say: Say) -> dict:
-            own = (art.spec.request or BuildRequest()).weights
-            auto = speed.artifact_for(art.spec.model["path"], "auto", workdir, weights=own)
+            auto = speed.artifact_for(art.spec.model["path"], "auto", workdir,
+                                      weights=request.weights)  # fmt: skip
             return {"auto": auto, name: art}
 
         return {name: art.spec}, build_one
