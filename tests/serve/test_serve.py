@@ -436,10 +436,14 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(live):
     assert scrape(live.base)[used] == 0
 
 
+#: a server whose steps take at least 10 ms, so the tiny model's 160 tokens outlast the scrape
+#: that checks the request is still running when SIGTERM comes (a fast CPU ran them all first)
 SERVE = """
-import sys
-from tqexport.runtime.engine import EngineConfig
+import sys, time
+from tqexport.runtime.engine import Engine, EngineConfig
 from tqexport.serve import serve
+step = Engine.step
+Engine.step = lambda self: (time.sleep(0.01), step(self))[1]
 serve(sys.argv[1], EngineConfig(num_blocks=64), port=0, served_model_name="tiny", grace_seconds=30)
 """
 
