@@ -17,6 +17,7 @@ from tqexport.runtime.executor import Executor
 from tqexport.runtime.sequence import SamplingParams
 
 #: the decoding streams, their prompt length, and the decode steps timed before the long prompt
+#: (and again after its first token)
 STREAMS, STREAM_PROMPT, QUIET_STEPS = 4, 16, 24
 PROMPT_SEED = 0
 
@@ -31,13 +32,13 @@ def prompt_ids(spec, tokens: int) -> list[int]:
 
 def _stream_tokens(tokens: int, chunk: int, threshold: int = 0) -> int:
     """Tokens a stream holds by the long prompt's first token: its prompt, one more each step
-    while the streams' prompts are prefilled, the quiet steps, one more each step the long
-    prompt takes (a chunk less the streams' own tokens, or the prefill threshold), and a
-    margin."""
+    while the streams' prompts are prefilled, the quiet steps before and after the long prompt,
+    one more each step the long prompt takes (a chunk less the streams' own tokens, or the
+    prefill threshold), and a margin."""
     room = max(1, chunk - STREAMS)
     warm = -(-(STREAMS * STREAM_PROMPT) // room) + STREAMS
     room = min(room, threshold or room)
-    return STREAM_PROMPT + warm + QUIET_STEPS + -(-tokens // room) + 4
+    return STREAM_PROMPT + warm + 2 * QUIET_STEPS + -(-tokens // room) + 4
 
 
 def _executor(art: Artifact, tokens: int, chunk: int, threads: int | None,
@@ -64,8 +65,10 @@ def time_to_first_token(art: Artifact, tokens: int, chunk: int, threads=None) ->
 def decode_stall(art: Artifact, tokens: int, chunk: int, threads=None, threshold: int = 0) -> dict:
     """Step times (ms) of :data:`STREAMS` decoding sequences: ``quiet``, decoding alone; then
     ``admitting``, every step while a ``tokens``-token prompt is prefilled beside them, until its
-    first token. Each step time is the delay between two tokens of every stream; ``threshold``:
-    the scheduler's long-prefill token threshold (0: whole chunks)."""
+    first token; then ``after``, alone again, at the longer contexts the streams reached
+    meanwhile (a step's own cost grows with them). Each step time is the delay between two
+    tokens of every stream; ``threshold``: the scheduler's long-prefill token threshold (0:
+    whole chunks)."""
     ex = _executor(art, tokens, chunk, threads, threshold)
     max_tokens = _stream_tokens(tokens, chunk, threshold) - STREAM_PROMPT
     for i in range(STREAMS):
@@ -74,19 +77,23 @@ def decode_stall(art: Artifact, tokens: int, chunk: int, threads=None, threshold
     streams = [*ex.scheduler.waiting]
     while any(s.num_cached < s.num_tokens - 1 for s in streams):
         ex.step()  # the streams' prompts, untimed
-    quiet, admitting = [], []
-    for _ in range(QUIET_STEPS):
+
+    def timed_step(into: list[float]):
         t0 = time.perf_counter()
         ex.step()
-        quiet.append(1000 * (time.perf_counter() - t0))
+        into.append(1000 * (time.perf_counter() - t0))
+
+    quiet, admitting, after = [], [], []
+    for _ in range(QUIET_STEPS):
+        timed_step(quiet)
     long = ex.add_request(prompt_ids(art.spec, tokens), SamplingParams(max_tokens=1))
     while not long.output:
-        t0 = time.perf_counter()
-        ex.step()
-        admitting.append(1000 * (time.perf_counter() - t0))
+        timed_step(admitting)
+    for _ in range(QUIET_STEPS):
+        timed_step(after)
     if ex.scheduler.num_preemptions or any(s.finish_reason for s in streams):
         raise TQExportError("a decoding stream was preempted or ended while timed")
-    return {"quiet_ms": quiet, "admitting_ms": admitting}
+    return {"quiet_ms": quiet, "admitting_ms": admitting, "after_ms": after}
 
 
 def p99(values: list[float]) -> float:
@@ -105,7 +112,10 @@ def measure_prefill(
 ) -> dict:
     """Per context, every format's time to first token and prefill tokens/s; per format, the
     streams' inter-token p99 with and without a ``stall_tokens`` prompt being admitted (under
-    the long-prefill token ``threshold``), and that prompt's time to its first token there."""
+    the long-prefill token ``threshold``), and that prompt's time to its first token there.
+    ``ratio`` compares the admitting steps with the quiet ones after them, at the contexts the
+    streams ended at (the slowest admitting steps are the last); ``ratio_to_start`` with those
+    before, at the contexts they started from."""
     from tqexport.bench.speed import load_average
 
     rows = []
@@ -124,7 +134,9 @@ def measure_prefill(
             **steps,
             "quiet_p99_ms": p99(steps["quiet_ms"]),
             "admitting_p99_ms": p99(steps["admitting_ms"]),
-            "ratio": p99(steps["admitting_ms"]) / p99(steps["quiet_ms"]),
+            "after_p99_ms": p99(steps["after_ms"]),
+            "ratio": p99(steps["admitting_ms"]) / p99(steps["after_ms"]),
+            "ratio_to_start": p99(steps["admitting_ms"]) / p99(steps["quiet_ms"]),
             "long_prompt_seconds": sum(steps["admitting_ms"]) / 1000,
         }
     return {"chunk": chunk, "streams": STREAMS, "stall_tokens": stall_tokens,

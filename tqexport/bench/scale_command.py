@@ -157,6 +157,8 @@ def _print_prefill(pre: dict, names: list[str]) -> None:
         console.print(printable(
             f"{n}: {pre['streams']} streams' inter-token p99 {s['quiet_p99_ms']:.1f} ms alone, "
             f"{s['admitting_p99_ms']:.1f} ms while a {pre['stall_tokens']}-token prompt is "
-            f"admitted ({s['ratio']:.2f}x; its first token after {s['long_prompt_seconds']:.1f} s"
-            f", long-prefill token threshold {pre['long_prefill_token_threshold']})"
+            f"admitted, {s['after_p99_ms']:.1f} ms alone after it at their longer contexts "
+            f"({s['ratio']:.2f}x that; {s['ratio_to_start']:.2f}x the first; its first token "
+            f"after {s['long_prompt_seconds']:.1f} s, long-prefill token threshold "
+            f"{pre['long_prefill_token_threshold']})"
         ))  # fmt: skip
