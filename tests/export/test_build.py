@@ -13,6 +13,7 @@ import tqexport
 from tqexport.contract.artifact import open_artifact
 from tqexport.errors import TQExportError
 from tqexport.export.artifact_build import build_artifact
+from tqexport.ops.attributes import CACHE_WRITE, PAGED_ATTENTION
 from tqexport.spec import BuildRequest
 from tqexport.verify.parity import run_parity
 
@@ -21,7 +22,7 @@ def _node_dtypes(model_path):
     graph = onnx.load(str(model_path), load_external_data=False)
     out = {}
     for node in graph.graph.node:
-        if node.domain == "tqexport":
+        if node.domain == "tqexport" and node.op_type in (CACHE_WRITE, PAGED_ATTENTION):
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             assert attrs["plugin_namespace"] == b"tqexport"
             assert node.overload == attrs["variant"].decode()
@@ -116,7 +117,7 @@ def test_calibrated_scales_land_in_spec_and_nodes(artifacts):
     graph = onnx.load(str(art.model_file), load_external_data=False).graph
     on_nodes = {}
     for node in graph.node:
-        if node.domain == "tqexport":
+        if node.domain == "tqexport" and node.op_type in (CACHE_WRITE, PAGED_ATTENTION):
             a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
             on_nodes.setdefault(a["layer"], set()).add((a["k_scale"], a["v_scale"]))
     assert on_nodes == {i: {(c.k_scale, c.v_scale)} for i, c in enumerate(caches)}

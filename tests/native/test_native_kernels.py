@@ -1,6 +1,7 @@
 """The native ONNX Runtime kernels (``plugins/``) on single-node models against the torch
 reference ops: CacheWrite bytes, PagedAttention outputs over every cache format and attention
-feature, bad input answered with an error status naming it, the same tests under
+feature, AddBlockOffsets against its function body, bad input answered with an error status
+naming it, the same tests under
 AddressSanitizer + UBSan, and ORT running the kernels rather than the function bodies."""
 
 import ctypes
@@ -17,16 +18,24 @@ import onnxruntime as ort
 import pytest
 import torch
 from filelock import FileLock
-from helpers import MATRIX_DTYPES, layer_for, single_node_model
+from helpers import MATRIX_DTYPES, ONNX_TYPES, layer_for, single_node_model
 
 from tqexport.kvquant.codecs import make_codec, torch_dtype
 from tqexport.kvquant.modes import KV_CACHE_DTYPES, KVQuantMode
 from tqexport.kvquant.turboquant import PRESETS
 from tqexport.native import build as native_build
 from tqexport.ops import reference
-from tqexport.ops.attributes import CACHE_WRITE, PAGED_ATTENTION, cache_write_attrs, node_attrs
+from tqexport.ops.attributes import (
+    ADD_BLOCK_OFFSETS,
+    CACHE_WRITE,
+    DOMAIN,
+    PAGED_ATTENTION,
+    cache_write_attrs,
+    node_attrs,
+)
 from tqexport.spec import KVCacheSpec
 from tqexport.verify.parity import near_threshold, tolerance
+from tqexport.weights.graph import block_offsets_function
 
 #: "1" in the sanitizer test's subprocess: the tests register the ASan + UBSan build of the
 #: library and run a subset of their matrices (every format once, every bad input)
@@ -829,3 +838,86 @@ def test_no_code_is_shared_between_the_instruction_set_kernels(tmp_path):
     assert sorted(s for s in shared if not s.startswith("std::")) == []
     assert all(any(s.startswith(f"tqx::{isa}::") for s in syms)
                for isa, syms in zip(("base", "avx2", "avx512"), symbols))  # fmt: skip
+
+
+def block_offsets_session(library, block, types, body=False):
+    """One AddBlockOffsets node: inputs x, y, offsets of element ``types`` (names), served by
+    the library, or by its function body where ``body``."""
+    import onnx
+
+    elem = [ONNX_TYPES[t] for t in types]
+    node = onnx.helper.make_node(ADD_BLOCK_OFFSETS, ["x", "y", "offsets"], ["out"],
+                                 domain=DOMAIN, block_size=block)  # fmt: skip
+    node.overload = f"block_size_{block}"
+    graph = onnx.helper.make_graph(
+        [node], "g",
+        [onnx.helper.make_tensor_value_info(n, e, None)
+         for n, e in zip(["x", "y", "offsets"], elem, strict=True)],
+        [onnx.helper.make_tensor_value_info("out", elem[1], None)],
+    )  # fmt: skip
+    functions = [block_offsets_function(block, node.overload)] if body else []
+    model = onnx.helper.make_model(graph, functions=functions, ir_version=10, opset_imports=[
+        onnx.helper.make_opsetid("", 21), onnx.helper.make_opsetid(DOMAIN, 1)])  # fmt: skip
+    opts = ort.SessionOptions()
+    opts.enable_cpu_mem_arena = False
+    opts.log_severity_level = 4
+    if not body:
+        opts.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("lead, n, blocks, block, dtype", [
+    ((1, 1), 40, 4, 32, "float32"),  # one decode token
+    ((1, 5), 3000, 18, 32, "float32"),  # columns past one 64-wide tile, odd count
+    ((64,), 2100, 16, 32, "float32"),  # a prefill: work for two tasks
+    ((2, 3), 96, 6, 16, "float16"),
+])  # fmt: skip
+def test_add_block_offsets_matches_its_function_body(library, lead, n, blocks, block, dtype):
+    """y + (x's sums over blocks) @ offsets: the kernel equals float64 arithmetic and the
+    node's own function body to float32 rounding (float16 models: to half rounding)."""
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((*lead, blocks * block)).astype(dtype)
+    y = rng.standard_normal((*lead, n)).astype(dtype)
+    offsets = rng.standard_normal((blocks, n)).astype(np.float32)
+    sums = x.astype(np.float64).reshape(*lead, blocks, block).sum(-1)
+    want = y.astype(np.float64) + sums @ offsets.astype(np.float64)
+    feed = {"x": x, "y": y, "offsets": offsets}
+    types = [dtype, dtype, "float32"]
+    (got,) = block_offsets_session(library, block, types).run(None, feed)
+    (body,) = block_offsets_session(library, block, types, body=True).run(None, feed)
+    assert got.dtype == np.dtype(dtype) and got.shape == want.shape
+    tol = (1e-5 if dtype == "float32" else 4e-3) * np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+    np.testing.assert_allclose(got, body, rtol=0, atol=tol)
+
+
+BAD_OFFSETS = {
+    "x's K": (lambda f: {**f, "x": f["x"][..., :-1]},
+              "x has shape [1, 3, 63], expected [..., 64] (offsets has 2 blocks of 32)"),
+    "y's rows": (lambda f: {**f, "y": f["y"][:, :2]},
+                 "y has shape [1, 2, 8], expected [1, 3, 8] (-1: any)"),
+    "y's N": (lambda f: {**f, "y": f["y"][..., :7]},
+              "y has shape [1, 3, 7], expected [1, 3, 8] (-1: any)"),
+    "offsets' rank": (lambda f: {**f, "offsets": f["offsets"][None]},
+                      "offsets has shape [1, 2, 8], expected [-1, -1] (-1: any)"),
+    "x scalar": (lambda f: {**f, "x": np.array(1.0, np.float32)},
+                 "x has shape [], expected [..., 64] (offsets has 2 blocks of 32)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_OFFSETS)
+def test_add_block_offsets_answers_bad_input_with_an_error_naming_it(library, case):
+    change, message = BAD_OFFSETS[case]
+    rng = np.random.default_rng(0)
+    feed = {"x": rng.standard_normal((1, 3, 64)).astype(np.float32),
+            "y": rng.standard_normal((1, 3, 8)).astype(np.float32),
+            "offsets": rng.standard_normal((2, 8)).astype(np.float32)}  # fmt: skip
+    sess = block_offsets_session(library, 32, ["float32"] * 3)
+    with pytest.raises(InvalidArgument) as e:
+        sess.run(None, change(feed))
+    assert str(e.value).endswith(f"tqexport AddBlockOffsets: {message}"), str(e.value)
+
+
+def test_add_block_offsets_refuses_a_block_size_that_is_not_positive(library):
+    with pytest.raises(Exception, match="missing or bad block_size"):
+        block_offsets_session(library, 0, ["float32"] * 3)

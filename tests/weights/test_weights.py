@@ -3,6 +3,7 @@ equals x times the dequantized matrix, the reference reads the artifact's own we
 and builds store what ``--weights`` asks (or refuse it in one line, before any work)."""
 
 import json
+from collections import Counter
 
 import gguf
 import numpy as np
@@ -17,11 +18,11 @@ from tiny_gguf import TYPES, random_blocks, write_tiny_gguf
 
 from tqexport.contract.artifact import open_artifact
 from tqexport.errors import TQExportError
+from tqexport.ops.attributes import ADD_BLOCK_OFFSETS, DOMAIN
 from tqexport.runtime.backends.ort import WEIGHTS_ACCURACY_ENTRY
 from tqexport.spec.limits import SpecError
 from tqexport.spec.weights import StoredTensor, WeightsSpec, weights_from_dict
 from tqexport.weights import gguf_source
-from tqexport.weights import graph as weights_graph
 from tqexport.weights.blocks import GGUF_DECODERS, decode_gguf, quantize_rtn
 from tqexport.weights.graph import INTERNAL, members, read_stored, store_weights, weight_bytes
 from tqexport.weights.placeholders import GATHER, MATMUL, PLACEHOLDER_DOMAIN
@@ -71,15 +72,19 @@ def _run(model: onnx.ModelProto, feed: dict, level: int = 0) -> list[np.ndarray]
 @pytest.mark.parametrize("type_name", sorted(GGUF_DECODERS))
 def test_the_stored_matmul_equals_x_times_the_dequantized_matrix(type_name):
     """DequantizeLinear -> MatMul as ONNX Runtime fuses it (MatMulNBits, accuracy level 0:
-    float32 inputs), a block offset added as a product of block sums: x @ W.T, float32
-    rounding apart; the graph is standard ONNX plus nothing of the stand-in domain."""
+    float32 inputs), a block offset added by one AddBlockOffsets node (the tqexport domain,
+    its function body in the model: what ORT runs here): x @ W.T, float32 rounding apart;
+    nothing of the stand-in domain is left."""
     n, k = 40, 512
     w = decode_gguf(blocks(type_name, n, k, seed=1), type_name, n, k)
     model = _stand_in_model(k, n, [MATMUL])
     (record,) = store_weights(model, {"w": lambda: w})
     assert record == StoredTensor("w", f"int{w.bits}", w.block, type_name)
-    assert {n.domain for n in model.graph.node} == {""}
-    assert [o.domain for o in model.opset_import] == [""]
+    offsets = w.offset is not None
+    ops = [("", "DequantizeLinear"), ("", "MatMul")] + [(DOMAIN, ADD_BLOCK_OFFSETS)] * offsets
+    assert [(n.domain, n.op_type) for n in model.graph.node] == ops
+    assert [o.domain for o in model.opset_import] == ["", DOMAIN][: 1 + offsets]
+    assert len(model.functions) == offsets
     x = np.random.default_rng(2).standard_normal((3, k)).astype(np.float32)
     (y,) = _run(model, {"x": x})
     want = x.astype(np.float64) @ w.dequantize().T.astype(np.float64)
@@ -170,19 +175,14 @@ _LAYER = {"q": ("x", 256, 64, "Q4_1"), "k": ("x", 256, 32, "Q4_1"), "v": ("x", 2
           "up": ("h", 256, 96, "Q4_K"), "down": ("a", 96, 256, "Q4_0")}  # fmt: skip
 
 
-@pytest.mark.parametrize("indicator, shapes", [(True, True), (False, True), (False, False)])
-def test_matrices_reading_one_input_are_packed_into_one_product(tmp_path, monkeypatch, indicator,
-                                                                shapes):  # fmt: skip
+@pytest.mark.parametrize("shapes", [True, False])
+def test_matrices_reading_one_input_are_packed_into_one_product(tmp_path, shapes):
     """q, k, v (one input, one block form) are one DequantizeLinear -> MatMul over their codes
-    concatenated along N, one offset product and one Split; gate and up likewise; a matrix of
-    another form stays alone. Block sums are made once per input: one MatMul by a shared 0/1
-    indicator, or (an indicator over the size limit) a Reshape (to a constant shape where the
-    input's rank is known, else one made from its Shape) and a ReduceSum. Each output
-    equals x times its dequantized matrix, the reference reads each matrix back exactly, one
-    record per matrix, and ORT runs 10 nodes (12 by ReduceSum, 18 when the rank is unknown) where
-    one product per matrix, each with its block sums by Reshape and ReduceSum, ran 21."""
-    if not indicator:
-        monkeypatch.setattr(weights_graph, "INDICATOR_MAX_BYTES", 0)
+    concatenated along N, one AddBlockOffsets (their offsets) and one Split; gate and up
+    likewise; a matrix of another form stays alone. Whether the inputs' ranks are known or not,
+    each output equals x times its dequantized matrix (ORT running AddBlockOffsets' function
+    body), the reference reads each matrix back exactly, one record per matrix, and ORT runs
+    one MatMulNBits per product."""
     weights = {name: decode_gguf(blocks(t, n, k, seed=i), t, n, k)
                for i, (name, (_, k, n, t)) in enumerate(_LAYER.items())}  # fmt: skip
     model = _readers_model({name: (x, k, n) for name, (x, k, n, _) in _LAYER.items()}, shapes)
@@ -190,17 +190,16 @@ def test_matrices_reading_one_input_are_packed_into_one_product(tmp_path, monkey
     assert [(r.name, r.precision, r.block_size, r.source) for r in records] == [
         (name, f"int{weights[name].bits}", weights[name].block, t)
         for name, (_, _, _, t) in _LAYER.items()]  # fmt: skip
-    ops = [n.op_type for n in model.graph.node]
-    assert ops.count("Shape") == (0 if shapes else 2)
-    assert ops.count("DequantizeLinear") == 4 and ops.count("Split") == 2
-    sums = 2  # the inputs with offsets: x and h
-    assert ops.count("ReduceSum") == (0 if indicator else sums)
-    assert ops.count("MatMul") == 4 + sums + (sums if indicator else 0)
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops == {"DequantizeLinear": 4, "MatMul": 4, ADD_BLOCK_OFFSETS: 2, "Split": 2}, ops
+    offsets = [n for n in model.graph.node if n.op_type == ADD_BLOCK_OFFSETS]
+    assert [(n.input[2], n.overload) for n in offsets] == [
+        ("q+k+v.offset", "block_size_32"), ("gate+up.offset", "block_size_32")]  # fmt: skip
+    assert [(f.name, f.overload) for f in model.functions] == [(ADD_BLOCK_OFFSETS,
+                                                                 "block_size_32")]  # fmt: skip
     names = {t.name for t in model.graph.initializer}
     assert {"q+k+v.codes", "q+k+v.offset", "q+k+v.widths", "gate+up.codes", "o.codes",
             "down.codes"} <= names  # fmt: skip
-    indicators = ["tqexport.weights.blocksums.256x32"] if indicator else []
-    assert [n for n in names if "blocksums" in n] == indicators
     rng = np.random.default_rng(5)
     feed = {x: rng.standard_normal((3, k)).astype(np.float32) for x, k, _, _ in _LAYER.values()}
     outs = _run(model, feed)
@@ -215,7 +214,6 @@ def test_matrices_reading_one_input_are_packed_into_one_product(tmp_path, monkey
     assert sizes == {p: sum(w.storage_bytes() for w in weights.values() if w.bits == b)
                      for p, b in (("int4", 4), ("int8", 8))}  # fmt: skip
     ops = _optimized_ops(model, tmp_path)
-    assert len(ops) == (10 if indicator else 12 if shapes else 18), ops
     assert ops.count("MatMulNBits") == 4 and ops.count("Split") == 2, ops
 
 
@@ -291,8 +289,9 @@ def test_a_gguf_with_every_block_type_builds_and_passes_parity(tiny_gguf, tmp_pa
               if t.name.endswith(".codes") and len(members(t.name)) > 1]  # fmt: skip
     q_k = ["model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"]
     assert packed == [q_k]  # Q4_K and Q4_1: 4 bits, blocks of 32, offsets
-    sums = [n for n in graph.node if n.op_type == "MatMul" and n.input[1].startswith(INTERNAL)]
-    assert len(sums) == 4  # one per input that blocks with offsets read: 2 per layer here
+    offsets = sorted(t.name for t in graph.initializer if t.name.endswith(".offset"))
+    added = sorted(n.input[2] for n in graph.node if n.op_type == ADD_BLOCK_OFFSETS)
+    assert len(offsets) == 6 and added == offsets  # every product with offsets: one node each
     report = run_parity(art, steps=2, prompt_len=12, batch=2)
     assert report.ok and report.logits_judged
 

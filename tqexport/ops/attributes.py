@@ -15,6 +15,9 @@ from tqexport.spec import KVCacheSpec, LayerSpec
 DOMAIN = "tqexport"
 CACHE_WRITE = "CacheWrite"
 PAGED_ATTENTION = "PagedAttention"
+#: ``y + (x's block sums) @ offsets``: what the offsets of a matrix's blocks (GGUF's mins) add
+#: to its product, one node per matrix (:mod:`tqexport.weights.graph`)
+ADD_BLOCK_OFFSETS = "AddBlockOffsets"
 
 #: Every attribute a node may carry, with the Python type of its value: the TensorRT plugins
 #: declare them from these tables, the native kernels read them by these names (generated

@@ -4,9 +4,9 @@ placeholders`) becomes standard ONNX over initializers of the stored precision.
 - a block-quantized matrix read by a MatMul: ``DequantizeLinear`` of an INT4/INT8 initializer
   ``[K, N]`` in blocks along K (opset 21 blocked form, float32 scales) feeding the MatMul; ONNX
   Runtime fuses the pair into ``MatMulNBits`` at load, TensorRT reads it as weight-only
-  quantization. A block offset (the min of GGUF's Q4_1/Q4_K/Q5_1/Q5_K blocks) adds the
-  product of the input's block sums (made once per input: a MatMul by a 0/1 indicator, or a
-  Reshape and a ReduceSum where K is large) and a float32 ``[K / block, N]`` matrix;
+  quantization. A block offset (the min of GGUF's Q4_1/Q4_K/Q5_1/Q5_K blocks) is added by one
+  ``tqexport.AddBlockOffsets`` node: the input's block sums times a float32 ``[K / block, N]``
+  matrix, plus the product (a native kernel, or its function body here);
 - matrices that alone read one input tensor with the same K, bits, block and offset presence
   (a layer's q, k, v; its gate and up) are stored as ONE such matrix, their codes, scales and
   offsets concatenated along N (initializers named by the members joined with
@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from tqexport.ops.attributes import ADD_BLOCK_OFFSETS, DOMAIN
 from tqexport.spec.weights import StoredTensor
 from tqexport.weights.blocks import BlockWeight, pack_int4
 from tqexport.weights.placeholders import GATHER, MATMUL, PLACEHOLDER_DOMAIN
@@ -41,10 +42,8 @@ PACK_SEP = "+"
 WIDTHS = ".widths"
 #: the prefix of the graph's own constants (index constants, block-sum indicators): no weight
 INTERNAL = f"{PLACEHOLDER_DOMAIN}."
-#: the largest block-sum indicator (fp32 bytes): up to K = 2896 in blocks of 32. One node per
-#: input where Reshape + ReduceSum take two (SmolLM2's optimized graph: 1405 nodes against
-#: 1525); beyond it the indicator's bytes (K^2 / 8 at block 32) would rival a weight's
-INDICATOR_MAX_BYTES = 1 << 20
+#: the ONNX opset of AddBlockOffsets' function body (CastLike: 15; Shape's end: 15)
+BODY_OPSET = 21
 
 
 def members(base: str) -> list[str]:
@@ -59,11 +58,7 @@ class _Emitter:
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.consts: dict[tuple, str] = {}
-        self.sums: dict[tuple[str, int], str] = {}
-        self.indicators: set[str] = set()
-        self.ranks = {v.name: len(v.type.tensor_type.shape.dim)
-                      for v in (*graph.input, *graph.value_info)
-                      if v.type.tensor_type.HasField("shape")}  # fmt: skip
+        self.functions: dict[str, onnx.FunctionProto] = {}
         self.data_file = data_file
 
     def node(self, op: str, inputs: list[str], out: str | list[str], **attrs) -> str:
@@ -101,31 +96,38 @@ class _Emitter:
             self.consts[key] = name
         return self.consts[key]
 
-    def block_sums(self, x: str, k: int, block: int) -> str:
-        """``x``'s sums over blocks of ``block`` along its last axis ``K``, made once per input:
-        one MatMul by a 0/1 indicator ``[K, K / block]`` (one per (K, block)) while that takes
-        at most :data:`INDICATOR_MAX_BYTES`, else a ``Reshape`` to ``[..., K / block, block]``
-        and a ``ReduceSum``."""
-        if (x, block) in self.sums:
-            return self.sums[x, block]
-        out = f"{x}.blocksums{block}"
-        if 4 * k * (k // block) <= INDICATOR_MAX_BYTES:
-            name = f"{INTERNAL}blocksums.{k}x{block}"
-            if name not in self.indicators:
-                self.indicators.add(self.init(name, np.repeat(np.eye(k // block, dtype=np.float32),
-                                                              block, axis=0)))  # fmt: skip
-            self.sums[x, block] = self.node("MatMul", [x, name], out)
-            return out
-        rank = self.ranks.get(x)
-        if rank is not None:
-            shape = self.const([0] * (rank - 1) + [k // block, block])
-        else:
-            lead = self.node("Shape", [x], f"{x}.lead{block}", end=-1)
-            shape = self.node("Concat", [lead, self.const([k // block, block])],
-                              f"{x}.blocks{block}", axis=0)  # fmt: skip
-        blocks = self.node("Reshape", [x, shape], f"{x}.xb{block}")
-        self.sums[x, block] = self.node("ReduceSum", [blocks, self.const([-1])], out, keepdims=0)
+    def add_block_offsets(self, x: str, y: str, offsets: str, block: int, out: str) -> str:
+        """``out = y + (x's sums over blocks of block) @ offsets``: one tqexport node (native
+        kernel, or its function body), the body added to the model once per block size."""
+        overload = f"block_size_{block}"
+        self.functions.setdefault(overload, block_offsets_function(block, overload))
+        node = helper.make_node(ADD_BLOCK_OFFSETS, [x, y, offsets], [out], name=out, domain=DOMAIN,
+                                block_size=block)  # fmt: skip
+        node.overload = overload
+        self.nodes.append(node)
+        # a custom op's output type is not inferred: declared here, the model's float type
+        self.graph.value_info.append(helper.make_tensor_value_info(out, self.dtype, None))
         return out
+
+
+def block_offsets_function(block: int, overload: str) -> onnx.FunctionProto:
+    """AddBlockOffsets' portable body for blocks of ``block``: ``x`` reshaped to ``[..., K /
+    block, block]``, summed over the last axis, times ``offsets`` (cast to ``x``'s type), plus
+    ``y``."""
+    nodes = [
+        helper.make_node("Constant", [], ["tail"], value_ints=[-1, block]),
+        helper.make_node("Constant", [], ["last"], value_ints=[-1]),
+        helper.make_node("Shape", ["x"], ["lead"], end=-1),
+        helper.make_node("Concat", ["lead", "tail"], ["blocked"], axis=0),
+        helper.make_node("Reshape", ["x", "blocked"], ["xb"]),
+        helper.make_node("ReduceSum", ["xb", "last"], ["sums"], keepdims=0),
+        helper.make_node("CastLike", ["offsets", "x"], ["m"]),
+        helper.make_node("MatMul", ["sums", "m"], ["share"]),
+        helper.make_node("Add", ["y", "share"], ["out"]),
+    ]
+    return helper.make_function(DOMAIN, ADD_BLOCK_OFFSETS, ["x", "y", "offsets"], ["out"], nodes,
+                                [helper.make_opsetid("", BODY_OPSET)], ["block_size"],
+                                overload=overload)  # fmt: skip
 
 
 #: elements written per slice of a large initializer
@@ -180,8 +182,8 @@ class _Weight:
         return self._transposed
 
 
-def _block_matmul(em: _Emitter, kn: tuple[str, str, str | None], k: int, block: int, x: str,
-                  y: str, dq: str) -> None:  # fmt: skip
+def _block_matmul(em: _Emitter, kn: tuple[str, str, str | None], block: int, x: str, y: str,
+                  dq: str) -> None:  # fmt: skip
     """``y = x @ W`` for the blocks ``kn`` (codes, scales, offsets ``[K, N]``): the MatMul of
     their DequantizeLinear (output ``dq``), plus block sums times offsets where there are any."""
     codes, scale, offset = kn
@@ -189,9 +191,7 @@ def _block_matmul(em: _Emitter, kn: tuple[str, str, str | None], k: int, block: 
     if offset is None:
         em.node("MatMul", [x, dq], y)
         return
-    main = em.node("MatMul", [x, dq], f"{y}.main")
-    corr = em.node("MatMul", [em.block_sums(x, k, block), offset], f"{y}.offset")
-    em.node("Add", [main, corr], y)
+    em.add_block_offsets(x, em.node("MatMul", [x, dq], f"{y}.main"), offset, block, y)
 
 
 def _matmul(em: _Emitter, w: _Weight, x: str, y: str, tag: str) -> None:
@@ -201,7 +201,7 @@ def _matmul(em: _Emitter, w: _Weight, x: str, y: str, tag: str) -> None:
         cast = em.node("Cast", [data], f"{w.name}.cast{tag}", to=em.dtype)
         em.node("MatMul", [x, cast], y)
         return
-    _block_matmul(em, w.kn(), w.k, w.block, x, y, f"{w.name}.dq{tag}")
+    _block_matmul(em, w.kn(), w.block, x, y, f"{w.name}.dq{tag}")
 
 
 def _pack_key(name: str, value: BlockWeight | np.ndarray) -> tuple:
@@ -230,7 +230,7 @@ def _packed(em: _Emitter, names: list[str], values: list[BlockWeight], x: str,
     widths = np.array([v.shape[0] for v in values], np.int64)  # in the graph, not the data
     em.inits.append(numpy_helper.from_array(widths, f"{base}{WIDTHS}"))  # file: shape inference
     y = f"{ys[0]}.packed"
-    _block_matmul(em, (codes, scale, offset), first.shape[1], first.block, x, y, f"{y}.dq")
+    _block_matmul(em, (codes, scale, offset), first.block, x, y, f"{y}.dq")
     em.node("Split", [y, f"{base}{WIDTHS}"], ys, axis=-1)
     return [
         StoredTensor(n, f"int{v.bits}", v.block, v.source)
@@ -331,9 +331,12 @@ def store_weights(model: onnx.ModelProto, weights: Mapping[str, Stored],
     del graph.node[:]
     graph.node.extend(nodes)
     graph.initializer.extend(em.inits)
+    model.functions.extend(em.functions.values())
     for imp in list(model.opset_import):
         if imp.domain == PLACEHOLDER_DOMAIN:
             model.opset_import.remove(imp)
+    if em.functions and not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return [records[name] for name in dict.fromkeys(name_of[id(n)] for n in stand_ins)]
 
 
