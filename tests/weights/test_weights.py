@@ -262,6 +262,10 @@ def tiny_gguf(tmp_path_factory):
 
 
 def test_a_gguf_with_every_block_type_builds_and_passes_parity(tiny_gguf, tmp_path, capsys):
+    """A GGUF of every block type builds (Q3_K stored as float, with a warning), packs q and k,
+    adds every product's offsets by one node, passes parity, and its weights floor adds the
+    offsets too."""
+    from tqexport.bench import weights_floor
     from tqexport.verify.parity import run_parity
 
     out = tmp_path / "art"
@@ -294,6 +298,18 @@ def test_a_gguf_with_every_block_type_builds_and_passes_parity(tiny_gguf, tmp_pa
     assert len(offsets) == 6 and added == offsets  # every product with offsets: one node each
     report = run_parity(art, steps=2, prompt_len=12, batch=2)
     assert report.ok and report.logits_judged
+    # the peers run's weights floor adds each product's offsets as the artifact does
+    floor = weights_floor.WeightsFloor(art, batch=2, threads=1)
+    products = weights_floor.weight_products(graph_model := onnx.load(str(art.model_file)))
+    assert sorted(p.offsets_initializer.name for p in products if p.offsets) == offsets
+    floor_inits = {t.name for t in weights_floor.floor_model(art).graph.initializer}
+    assert set(offsets) <= floor_inits
+    dense = read_stored(graph_model)
+    for p, y in zip(products, floor.step(), strict=True):
+        if p.offsets is not None:
+            name = p.initializers[0].name.removesuffix(".codes")
+            ref = floor.feed[f"rows_{p.k}"] @ np.concatenate([dense[m] for m in members(name)]).T
+            assert np.linalg.norm(y - ref) <= 0.02 * np.linalg.norm(ref), name
 
 
 @pytest.mark.parametrize(("weights", "message"), [

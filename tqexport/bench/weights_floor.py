@@ -4,7 +4,9 @@ file in place) and tqexport's session options. A decoder on these weights and th
 cannot step faster than this at batch B, so it bounds every system that reads the same weights
 through ORT (tqexport, ONNX Runtime GenAI on the same precision): the peers run measures it
 beside them. Block-quantized weights run as the artifact runs them (DequantizeLinear into
-MatMul, fused by ONNX Runtime into MatMulNBits), so the floor is that of the stored weights."""
+MatMul, fused by ONNX Runtime into MatMulNBits; block offsets added by the artifact's own
+AddBlockOffsets nodes, on the kernels the artifact's session would choose), so the floor is
+that of the stored weights."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import onnx
 import onnxruntime as ort
 
 from tqexport.contract.artifact import Artifact
+from tqexport.native.kernel_choice import choose as choose_kernels
+from tqexport.ops.attributes import ADD_BLOCK_OFFSETS, DOMAIN
 from tqexport.runtime.backends.ort import EXTERNAL_FOLDER_ENTRY, apply_weights, session_options
 
 #: the floor's system name in a peers run (its tokens/s: batch over the fastest step)
@@ -29,22 +33,24 @@ _WEIGHT_OPS = ("Transpose", "DequantizeLinear", "Cast")
 class WeightProduct:
     """One weight a MatMul multiplies by: the value ``b`` (``[K, N]``), the nodes that make it
     from the stored initializers (none for a float weight stored as it is multiplied), and
-    those initializers."""
+    those initializers; the AddBlockOffsets node that adds its block offsets to the product,
+    if any, and their initializer."""
 
     b: str
     nodes: list[onnx.NodeProto]
     initializers: list[onnx.TensorProto]
     k: int
     n: int
+    offsets: onnx.NodeProto | None = None
+    offsets_initializer: onnx.TensorProto | None = None
 
 
 def weight_products(model: onnx.ModelProto) -> list[WeightProduct]:
     """The weights ``model``'s top-level MatMuls multiply by, once each, in graph order: a 2-D
     initializer, or what Transposes, blocked DequantizeLinears and Casts make of initializers
     (a tied head's transposed table, 4- and 8-bit blocks, float16 storage); matrices packed
-    into one (q, k, v) are one weight, as the model multiplies them. A block offset's
-    correction and the block sums it takes (a 0/1 indicator) are MatMuls by initializers too,
-    so they count. These are the bytes a decode step reads in full."""
+    into one (q, k, v) are one weight, as the model multiplies them, with the AddBlockOffsets
+    that adds its offsets to the product. These are the bytes a decode step reads in full."""
     inits = {t.name: t for t in model.graph.initializer}
     shape = {name: list(t.dims) for name, t in inits.items()}
     maker: dict[str, onnx.NodeProto] = {}
@@ -58,6 +64,8 @@ def weight_products(model: onnx.ModelProto) -> list[WeightProduct]:
                 continue
             s = s[::-1]
         shape[node.output[0]], maker[node.output[0]] = s, node
+    offsets = {n.input[1]: n for n in model.graph.node if n.domain == DOMAIN
+               and n.op_type == ADD_BLOCK_OFFSETS and n.input[2] in inits}  # fmt: skip
     seen: dict[str, WeightProduct] = {}
     for node in model.graph.node:
         a, b = node.input[0], node.input[1] if len(node.input) > 1 else ""
@@ -73,7 +81,9 @@ def weight_products(model: onnx.ModelProto) -> list[WeightProduct]:
                 elif value not in names:
                     names.append(value)
             k, n = shape[b]
-            seen[b] = WeightProduct(b, nodes, [inits[i] for i in reversed(names)], k, n)
+            adds = offsets.get(node.output[0])
+            seen[b] = WeightProduct(b, nodes, [inits[i] for i in reversed(names)], k, n, adds,
+                                    adds and inits[adds.input[2]])  # fmt: skip
     return list(seen.values())
 
 
@@ -95,15 +105,26 @@ def floor_graph(model: onnx.ModelProto) -> onnx.ModelProto:
                 emitted.add(node.output[0])
         for t in p.initializers:
             inits.setdefault(t.name, t)
-        nodes.append(onnx.helper.make_node("MatMul", [f"rows_{p.k}", p.b], [f"y{i}"]))
+        y = f"y{i}" if p.offsets is None else f"y{i}.main"
+        nodes.append(onnx.helper.make_node("MatMul", [f"rows_{p.k}", p.b], [y]))
+        if p.offsets is not None:
+            add = onnx.NodeProto()
+            add.CopyFrom(p.offsets)
+            add.input[:] = [f"rows_{p.k}", y, p.offsets.input[2]]
+            add.output[:] = [f"y{i}"]
+            nodes.append(add)
+            inits.setdefault(p.offsets_initializer.name, p.offsets_initializer)
         outputs.append(onnx.helper.make_tensor_value_info(f"y{i}", elem, ["batch", p.n]))
         widths.add(p.k)
     inputs = [
         onnx.helper.make_tensor_value_info(f"rows_{k}", elem, ["batch", k]) for k in sorted(widths)
     ]
     graph = onnx.helper.make_graph(nodes, "weights_floor", inputs, outputs, list(inits.values()))
-    opset = [o for o in model.opset_import if o.domain in ("", "ai.onnx")]
-    return onnx.helper.make_model(graph, opset_imports=opset, ir_version=model.ir_version)
+    used = {(n.domain, n.op_type, n.overload) for n in nodes}
+    functions = [f for f in model.functions if (f.domain, f.name, f.overload) in used]
+    opset = [o for o in model.opset_import if o.domain in ("", "ai.onnx") or functions]
+    return onnx.helper.make_model(graph, opset_imports=opset, ir_version=model.ir_version,
+                                  functions=functions)  # fmt: skip
 
 
 def floor_model(artifact: Artifact) -> onnx.ModelProto:
@@ -136,6 +157,9 @@ class WeightsFloor:
         opts = session_options(threads)
         apply_weights(opts, artifact.spec)
         opts.add_session_config_entry(EXTERNAL_FOLDER_ENTRY, str(artifact.model_file.parent))
+        library = choose_kernels(artifact.spec).library
+        if library is not None:
+            opts.register_custom_ops_library(str(library))
         self.session = ort.InferenceSession(
             model.SerializeToString(), opts, providers=["CPUExecutionProvider"]
         )
