@@ -580,8 +580,10 @@ struct AddBlockOffsetsKernel {
     std::vector<int64_t> y_shape(x.shape);
     y_shape.back() = n;
     expect(y, "y", x.type, y_shape);
-    const int64_t rows = k ? x.numel() / k : 0;
+    int64_t rows = 1;  // x's leading axes, flattened
+    for (size_t i = 0; i + 1 < x.shape.size(); ++i) rows *= x.shape[i];
     void* out = output(ctx, 0, y_shape);
+    if (rows == 0 || n == 0) return;
     std::vector<float> sums(static_cast<size_t>(rows * blocks));
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t b = 0; b < blocks; ++b) {
@@ -640,9 +642,125 @@ struct AddBlockOffsetsOp : Ort::CustomOpBase<AddBlockOffsetsOp, AddBlockOffsetsK
   }
 };
 
+// -- RotateHalf -------------------------------------------------------------------------------
+// out = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x[h:], x[:h]] over the last axis of
+// D = 2h, cos and sin broadcast to x's shape; each product rounded, then their sum (the order
+// the unfused ONNX ops round in, so float32 results are theirs, bit for bit).
+struct RotateHalfKernel {
+  OrtStatusPtr ComputeV2(OrtKernelContext* ctx) {
+    try {
+      compute(ctx);
+      return nullptr;
+    } catch (const Error& e) {
+      return status(gen::kRotateHalf, -1, e.message);
+    } catch (const std::exception& e) {
+      return status(gen::kRotateHalf, -1, e.what());
+    }
+  }
+
+  // Element strides of `t` over x's index space (0 where t broadcasts), checked against x.
+  static std::vector<int64_t> broadcast_strides(const Tensor& t, const char* name,
+                                                const Tensor& x) {
+    const size_t rank = x.shape.size();
+    bool ok = t.shape.size() <= rank && t.type == x.type;
+    std::vector<int64_t> strides(rank, 0);
+    int64_t stride = 1;
+    for (size_t i = 0; ok && i < t.shape.size(); ++i) {
+      const size_t d = t.shape.size() - 1 - i, xd = rank - 1 - i;
+      ok = t.shape[d] == x.shape[xd] || (t.shape[d] == 1 && i > 0);
+      strides[xd] = t.shape[d] == 1 ? 0 : stride;
+      stride *= t.shape[d];
+    }
+    if (!ok)
+      throw Error{std::string(name) + " (" + type_name(t.type) + ", shape " +
+                  shape_str(t.shape) + ") does not broadcast to x (" + type_name(x.type) +
+                  ", shape " + shape_str(x.shape) + "): same type, same last axis"};
+    return strides;
+  }
+
+  void compute(OrtKernelContext* ctx) {
+    size_t count = 0;
+    check(g_api->KernelContext_GetInputCount(ctx, &count));
+    if (count != 3) throw Error{"expected 3 inputs (x, cos, sin), got " + std::to_string(count)};
+    const Tensor x = input(ctx, 0), c = input(ctx, 1), s = input(ctx, 2);
+    Elem e = Elem::float32;
+    if (x.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) e = Elem::float16;
+    else if (x.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16) e = Elem::bfloat16;
+    else if (x.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
+      throw Error{"x has element type " + type_name(x.type) + ", expected a float type"};
+    if (x.shape.empty() || x.shape.back() < 2 || x.shape.back() % 2)
+      throw Error{"x has shape " + shape_str(x.shape) + ", expected [..., D] with D even"};
+    const std::vector<int64_t> cs = broadcast_strides(c, "cos", x),
+                               ss = broadcast_strides(s, "sin", x);
+    void* out = output(ctx, 0, x.shape);
+    const int64_t d = x.shape.back(), h = d / 2, rows = x.numel() / d;
+    if (rows == 0) return;
+    const int lead = static_cast<int>(x.shape.size()) - 1;
+    const int64_t tasks = std::clamp<int64_t>((rows * d) >> 16, 1, rows);
+    const int64_t span = (rows + tasks - 1) / tasks;
+    parallel(ctx, static_cast<size_t>(tasks), [&](size_t task) {
+      const int64_t r0 = static_cast<int64_t>(task) * span, r1 = std::min(rows, r0 + span);
+      const bool f32 = e == Elem::float32;  // float32 in place; other types through copies
+      std::vector<float> xr(f32 ? 0 : d), cr(f32 ? 0 : d), sr(f32 ? 0 : d), yr(f32 ? 0 : d);
+      for (int64_t r = r0; r < r1; ++r) {
+        int64_t co = 0, so = 0;  // r's row in cos and sin: its index over x's leading axes
+        for (int64_t i = lead - 1, rest = r; i >= 0; --i) {
+          const int64_t at = rest % x.shape[i];
+          rest /= x.shape[i];
+          co += at * cs[i];
+          so += at * ss[i];
+        }
+        const float *xp = xr.data(), *cp = cr.data(), *sp = sr.data();
+        float* yp = yr.data();
+        if (f32) {
+          xp = static_cast<const float*>(x.data) + r * d;
+          cp = static_cast<const float*>(c.data) + co;
+          sp = static_cast<const float*>(s.data) + so;
+          yp = static_cast<float*>(out) + r * d;
+        } else {
+          for (int64_t i = 0; i < d; ++i) {
+            xr[i] = load_elem(x.data, e, r * d + i);
+            cr[i] = load_elem(c.data, e, co + i);
+            sr[i] = load_elem(s.data, e, so + i);
+          }
+        }
+        for (int64_t i = 0; i < h; ++i) {
+          yp[i] = xp[i] * cp[i] + (-xp[i + h]) * sp[i];
+          yp[i + h] = xp[i + h] * cp[i + h] + xp[i] * sp[i + h];
+        }
+        if (!f32)
+          for (int64_t i = 0; i < d; ++i) store_elem(out, e, r * d + i, yr[i]);
+      }
+    });
+  }
+};
+
+struct RotateHalfOp : Ort::CustomOpBase<RotateHalfOp, RotateHalfKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo*, void** kernel) const {
+    *kernel = new RotateHalfKernel();
+    return nullptr;
+  }
+  const char* GetName() const { return gen::kRotateHalf; }
+  // x, cos and sin as one heterogeneous variadic input: the output is typed as x
+  size_t GetInputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetInputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t) const {
+    return INPUT_OUTPUT_VARIADIC;
+  }
+  int GetVariadicInputMinArity() const { return 3; }
+  bool GetVariadicInputHomogeneity() const { return false; }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+};
+
 CacheWriteOp g_cache_write;
 PagedAttentionOp g_paged_attention;
 AddBlockOffsetsOp g_add_block_offsets;
+RotateHalfOp g_rotate_half;
 
 }  // namespace
 }  // namespace tqx
@@ -671,6 +789,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   if (OrtStatus* st = api->CustomOpDomain_Add(domain, &tqx::g_cache_write)) return st;
   if (OrtStatus* st = api->CustomOpDomain_Add(domain, &tqx::g_paged_attention)) return st;
   if (OrtStatus* st = api->CustomOpDomain_Add(domain, &tqx::g_add_block_offsets)) return st;
+  if (OrtStatus* st = api->CustomOpDomain_Add(domain, &tqx::g_rotate_half)) return st;
   return api->AddCustomOpDomain(options, domain);
 }
 

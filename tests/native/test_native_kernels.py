@@ -1,7 +1,7 @@
 """The native ONNX Runtime kernels (``plugins/``) on single-node models against the torch
 reference ops: CacheWrite bytes, PagedAttention outputs over every cache format and attention
-feature, AddBlockOffsets against its function body, bad input answered with an error status
-naming it, the same tests under
+feature, AddBlockOffsets and RotateHalf against their function bodies, bad input answered
+with an error status naming it, the same tests under
 AddressSanitizer + UBSan, and ORT running the kernels rather than the function bodies."""
 
 import ctypes
@@ -20,6 +20,7 @@ import torch
 from filelock import FileLock
 from helpers import MATRIX_DTYPES, ONNX_TYPES, layer_for, single_node_model
 
+from tqexport.export.fusable import rotate_half_function
 from tqexport.kvquant.codecs import make_codec, torch_dtype
 from tqexport.kvquant.modes import KV_CACHE_DTYPES, KVQuantMode
 from tqexport.kvquant.turboquant import PRESETS
@@ -30,6 +31,7 @@ from tqexport.ops.attributes import (
     CACHE_WRITE,
     DOMAIN,
     PAGED_ATTENTION,
+    ROTATE_HALF,
     cache_write_attrs,
     node_attrs,
 )
@@ -921,3 +923,100 @@ def test_add_block_offsets_answers_bad_input_with_an_error_naming_it(library, ca
 def test_add_block_offsets_refuses_a_block_size_that_is_not_positive(library):
     with pytest.raises(Exception, match="missing or bad block_size"):
         block_offsets_session(library, 0, ["float32"] * 3)
+
+
+def rotate_half_session(library, types, body=False):
+    """One RotateHalf node over inputs x, cos, sin of element ``types`` (names): the library's
+    kernel, or the node's function body where ``body``."""
+    import onnx
+
+    elem = [ONNX_TYPES[t] for t in types]
+    node = onnx.helper.make_node(ROTATE_HALF, ["x", "cos", "sin"], ["out"], domain=DOMAIN)
+    graph = onnx.helper.make_graph(
+        [node], "g",
+        [onnx.helper.make_tensor_value_info(n, e, None)
+         for n, e in zip(["x", "cos", "sin"], elem, strict=True)],
+        [onnx.helper.make_tensor_value_info("out", elem[0], None)],
+    )  # fmt: skip
+    model = onnx.helper.make_model(
+        graph, functions=[rotate_half_function()] if body else [], ir_version=10,
+        opset_imports=[onnx.helper.make_opsetid("", 21), onnx.helper.make_opsetid(DOMAIN, 1)],
+    )  # fmt: skip
+    opts = ort.SessionOptions()
+    opts.enable_cpu_mem_arena = False
+    opts.log_severity_level = 4
+    if not body:
+        opts.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("x_shape, cos_shape, dtype", [
+    ((1, 5, 3, 64), (1, 5, 1, 64), "float32"),  # the rewrite's layout: [B, T, H, D]
+    ((1, 3, 5, 64), (1, 1, 5, 64), "float32"),  # heads first
+    ((600, 4, 32), (600, 1, 32), "float32"),  # a prefill's worth: work for several tasks
+    ((2, 7, 16), (16,), "float32"),  # one row for every position
+    ((1, 4, 2, 8), (1, 4, 1, 8), "float16"),
+])  # fmt: skip
+def test_rotate_half_equals_its_function_body(library, x_shape, cos_shape, dtype):
+    """x * cos + rotate_half(x) * sin: float32 results are the unfused ops' bit for bit (each
+    product rounded, then the sum), float16 ones to half rounding."""
+    rng = np.random.default_rng(len(x_shape))
+    angles = rng.uniform(0, 6.3, cos_shape)
+    feed = {"x": rng.standard_normal(x_shape).astype(dtype),
+            "cos": np.cos(angles).astype(dtype), "sin": np.sin(angles).astype(dtype)}  # fmt: skip
+    (got,) = rotate_half_session(library, [dtype] * 3).run(None, feed)
+    (body,) = rotate_half_session(library, [dtype] * 3, body=True).run(None, feed)
+    h = x_shape[-1] // 2
+    x = feed["x"].astype(np.float64)
+    rotated = np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+    want = x * feed["cos"] + rotated * feed["sin"]
+    assert got.dtype == np.dtype(dtype) and got.shape == x_shape
+    if dtype == "float32":
+        np.testing.assert_array_equal(got, body)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    else:
+        np.testing.assert_allclose(got, want, rtol=0, atol=4e-3)
+        np.testing.assert_allclose(got, body, rtol=0, atol=4e-3)
+
+
+BAD_ROTATIONS = {
+    "odd head size": ({"x": (1, 2, 7), "cos": (1, 2, 7), "sin": (1, 2, 7)},
+                      "x has shape [1, 2, 7], expected [..., D] with D even"),
+    "cos last axis": ({"x": (1, 2, 8), "cos": (1, 2, 4), "sin": (1, 2, 8)},
+                      "cos (float32, shape [1, 2, 4]) does not broadcast to x (float32, shape "
+                      "[1, 2, 8]): same type, same last axis"),
+    "sin rows": ({"x": (1, 2, 8), "cos": (1, 2, 8), "sin": (1, 3, 8)},
+                 "sin (float32, shape [1, 3, 8]) does not broadcast to x (float32, shape "
+                 "[1, 2, 8]): same type, same last axis"),
+    "cos of higher rank": ({"x": (2, 8), "cos": (1, 2, 8), "sin": (2, 8)},
+                           "cos (float32, shape [1, 2, 8]) does not broadcast to x (float32, "
+                           "shape [2, 8]): same type, same last axis"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_ROTATIONS)
+def test_rotate_half_answers_bad_input_with_an_error_naming_it(library, case):
+    shapes, message = BAD_ROTATIONS[case]
+    feed = {n: np.ones(s, np.float32) for n, s in shapes.items()}
+    with pytest.raises(InvalidArgument) as e:
+        rotate_half_session(library, ["float32"] * 3).run(None, feed)
+    assert str(e.value).endswith(f"tqexport RotateHalf: {message}"), str(e.value)
+
+
+def test_rotate_half_refuses_cos_of_another_type(library):
+    feed = {"x": np.ones((2, 8), np.float32), "cos": np.ones((2, 8), np.float16),
+            "sin": np.ones((2, 8), np.float32)}  # fmt: skip
+    with pytest.raises(InvalidArgument, match=r"cos \(float16, shape \[2, 8\]\) does not"):
+        rotate_half_session(library, ["float32", "float16", "float32"]).run(None, feed)
+
+
+def test_block_offsets_and_rotate_half_take_no_rows(library):
+    """No tokens: each kernel returns its empty output (nothing read, nothing written)."""
+    feed = {"x": np.ones((1, 0, 64), np.float32), "y": np.ones((1, 0, 8), np.float32),
+            "offsets": np.ones((2, 8), np.float32)}  # fmt: skip
+    (out,) = block_offsets_session(library, 32, ["float32"] * 3).run(None, feed)
+    assert out.shape == (1, 0, 8)
+    feed = {"x": np.ones((0, 4, 8), np.float32), "cos": np.ones((0, 1, 8), np.float32),
+            "sin": np.ones((0, 1, 8), np.float32)}  # fmt: skip
+    (out,) = rotate_half_session(library, ["float32"] * 3).run(None, feed)
+    assert out.shape == (0, 4, 8)

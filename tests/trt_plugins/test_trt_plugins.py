@@ -334,15 +334,18 @@ def test_engine_graph_uses_the_plugins_and_profile(artifacts):
     import onnx
 
     from tqexport.contract.artifact import open_artifact
-    from tqexport.export.tensorrt_engine import check_layers, profile_shapes, use_plugins
+    from tqexport.export.tensorrt_engine import check_layers, profile_shapes, unfuse, use_plugins
 
     art = open_artifact(artifacts("tiny-llama", "turboquant_4bit_nc", ["0"]))
     model = onnx.load(str(art.model_file), load_external_data=False)
+    assert sum(n.op_type == "RotateHalf" for n in model.graph.node) == 12  # 6 layers: q, k
+    model = unfuse(model)  # RotateHalf as its standard ops: no plugin implements it
+    assert not any(n.op_type == "RotateHalf" for n in model.graph.node)
     assert use_plugins(model) == {"CacheWriteKV": 1, "PagedAttentionKV": 1,
                                   "CacheWriteSlot": 5, "PagedAttentionSlot": 5}  # fmt: skip
     assert not any(n.domain == "tqexport" and n.overload for n in model.graph.node)
     recent = open_artifact(artifacts("tiny-llama", "turboquant_4bit_nc", ["0"], recent_window=8))
-    model = onnx.load(str(recent.model_file), load_external_data=False)
+    model = unfuse(onnx.load(str(recent.model_file), load_external_data=False))
     assert use_plugins(model) == {"CacheWriteKV": 6, "PagedAttentionKV": 1,
                                   "CacheWriteSlot": 5, "PagedAttentionSlotRecent": 5}  # fmt: skip
     check_layers(recent.spec)  # a recent window is no longer refused

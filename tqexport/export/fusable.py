@@ -1,13 +1,20 @@
-"""Rewrites of the exported graph into the forms ONNX Runtime's graph optimizer fuses.
+"""Rewrites of the exported graph into fewer nodes: forms ONNX Runtime's graph optimizer fuses,
+and tqexport nodes (with their function bodies) for what it does not.
 
 torch exports ``x * rsqrt(mean(x^2) + eps)`` (every RMS norm of the models tqexport loads) as
 ``Sqrt -> Reciprocal -> Mul``; ORT fuses an RMS norm into one SimplifiedLayerNormalization node
-only from ``Sqrt -> Div`` (ORT 1.32), so unrewritten each norm runs as seven small nodes.
+only from ``Sqrt -> Div`` (ORT 1.32), so unrewritten each norm runs as seven small nodes. A
+rotary embedding's rotate-half (two Slices, Neg, Concat, two Muls, Add per query and key) has no
+ORT fusion outside its contrib attention ops: it becomes one ``RotateHalf``.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
+from onnx import helper, numpy_helper
+
+from tqexport.ops.attributes import DOMAIN, ROTATE_HALF
 
 
 def divide_by_roots(model: onnx.ModelProto) -> int:
@@ -38,3 +45,164 @@ def divide_by_roots(model: onnx.ModelProto) -> int:
     for rec in dropped:
         graph.node.remove(rec)
     return changed
+
+
+#: the layout swap torch exports between ``[B, T, H, D]`` projections and ``[B, H, T, D]``
+_HEADS_FIRST = [0, 2, 1, 3]
+#: the initializer holding Unsqueeze's axis for cos and sin in the ``[B, T, H, D]`` layout
+_HEADS_AXIS = "tqexport.rotary.heads_axis"
+
+
+def rotate_half_function() -> onnx.FunctionProto:
+    """RotateHalf's portable body: ``x * cos + concat(-x[..., h:], x[..., :h]) * sin`` over
+    the last axis of ``D = 2h``, the unfused ops every ONNX runtime runs."""
+    make = helper.make_node
+    nodes = [
+        make("Constant", [], ["two"], value_ints=[2]),
+        make("Constant", [], ["zero"], value_ints=[0]),
+        make("Constant", [], ["last"], value_ints=[-1]),
+        make("Constant", [], ["end"], value_ints=[np.iinfo(np.int64).max]),
+        make("Shape", ["x"], ["d"], start=-1),
+        make("Div", ["d", "two"], ["h"]),
+        make("Slice", ["x", "zero", "h", "last"], ["x1"]),
+        make("Slice", ["x", "h", "end", "last"], ["x2"]),
+        make("Neg", ["x2"], ["minus_x2"]),
+        make("Concat", ["minus_x2", "x1"], ["rotated"], axis=-1),
+        make("Mul", ["x", "cos"], ["x_cos"]),
+        make("Mul", ["rotated", "sin"], ["rotated_sin"]),
+        make("Add", ["x_cos", "rotated_sin"], ["out"]),
+    ]
+    return helper.make_function(DOMAIN, ROTATE_HALF, ["x", "cos", "sin"], ["out"], nodes,
+                                [helper.make_opsetid("", 21)])  # fmt: skip
+
+
+class _Graph:
+    """Producers, readers and constant integer values of a graph's tensors."""
+
+    def __init__(self, graph: onnx.GraphProto):
+        self.producer = {o: n for n in graph.node for o in n.output}
+        self.readers: dict[str, list[onnx.NodeProto]] = {}
+        for n in graph.node:
+            for i in set(n.input):
+                self.readers.setdefault(i, []).append(n)
+        self.values = {t.name: numpy_helper.to_array(t) for t in graph.initializer
+                       if t.data_type == onnx.TensorProto.INT64 and len(t.dims) <= 1}  # fmt: skip
+        for n in graph.node:
+            if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+                value = numpy_helper.to_array(n.attribute[0].t)
+                if value.dtype == np.int64 and value.ndim <= 1:
+                    self.values[n.output[0]] = value
+        self.outputs = {o.name for o in graph.output}
+
+    def made_by(self, name: str, op: str) -> onnx.NodeProto | None:
+        n = self.producer.get(name)
+        return n if n is not None and n.op_type == op else None
+
+    def only_reader(self, name: str, node: onnx.NodeProto) -> bool:
+        readers = self.readers.get(name, [])
+        return name not in self.outputs and [id(n) for n in readers] == [id(node)]
+
+    def ints(self, name: str) -> list[int] | None:
+        value = self.values.get(name)
+        return None if value is None else [int(v) for v in np.atleast_1d(value)]
+
+
+def _attr(node: onnx.NodeProto, name: str, default=None):
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
+def _rotary(g: _Graph, add: onnx.NodeProto) -> dict | None:
+    """The parts of ``Add(Mul(x, cos), Mul(Concat(Neg(x[..., h:]), x[..., :h]), sin))`` at
+    ``add`` with ``x = Transpose(v, [0, 2, 1, 3])`` and cos, sin ``Unsqueeze(c, [1])``
+    (HF's rotate-half rotary on ``[B, H, T, D]``, as torch exports it), else None."""
+    muls = [g.made_by(i, "Mul") for i in add.input]
+    if len(add.input) != 2 or None in muls:
+        return None
+    for plain, turned in (muls, muls[::-1]):
+        for ci, cat_in in enumerate(turned.input):
+            cat = g.made_by(cat_in, "Concat")
+            if cat is None or len(cat.input) != 2 or _attr(cat, "axis") not in (-1, 3):
+                continue
+            neg, first = g.made_by(cat.input[0], "Neg"), g.made_by(cat.input[1], "Slice")
+            second = neg and g.made_by(neg.input[0], "Slice")
+            if first is None or second is None or first.input[0] != second.input[0]:
+                continue
+            x = first.input[0]
+            if x not in plain.input:
+                continue
+            cos, sin = plain.input[1 - list(plain.input).index(x)], turned.input[1 - ci]
+            bounds = [[g.ints(i) for i in s.input[1:5]] + [None] * (5 - len(s.input))
+                      for s in (first, second)]  # fmt: skip
+            (s1, e1, a1, st1), (s2, _, a2, st2) = bounds
+            if not (s1 == [0] and e1 and s2 == e1 and a1 in ([-1], [3]) and a2 in ([-1], [3])
+                    and st1 in (None, [1]) and st2 in (None, [1])):  # fmt: skip
+                continue
+            turn = g.made_by(x, "Transpose")
+            lifts = [g.made_by(t, "Unsqueeze") for t in (cos, sin)]
+            if turn is None or list(_attr(turn, "perm", [])) != _HEADS_FIRST or None in lifts:
+                continue
+            if any(g.ints(u.input[1]) != [1] for u in lifts):
+                continue
+            inner = [(muls[0].output[0], add), (muls[1].output[0], add),
+                     (cat.output[0], turned), (neg.output[0], cat), (second.output[0], neg),
+                     (first.output[0], cat)]  # fmt: skip
+            if not all(g.only_reader(name, node) for name, node in inner):
+                continue
+            return {"v": turn.input[0], "x": x, "cos": lifts[0].input[0],
+                    "sin": lifts[1].input[0], "half": e1[0], "feeds": [turn, *lifts],
+                    "drop": [*muls, cat, neg, first, second]}  # fmt: skip
+    return None
+
+
+def rotate_halves(model: onnx.ModelProto) -> int:
+    """Replace each rotate-half rotary of the main graph (:func:`_rotary`: HF's, on the
+    ``[B, H, T, D]`` layout its projections are transposed into) by one ``RotateHalf`` on the
+    projection's own ``[B, T, H, D]`` layout, cos and sin unsqueezed there, then the same
+    Transpose; the function body added once. Six nodes fewer per rotation for ONNX Runtime,
+    which still moves the transposes away. Returns the rotations replaced."""
+    graph = model.graph
+    g = _Graph(graph)
+    shapes = {v.name: v.type.tensor_type for v in (*graph.value_info, *graph.input)}
+    lifted: dict[str, str] = {}
+    new: dict[int, list[onnx.NodeProto]] = {}
+    drop: set[int] = set()
+    infos, feeds = [], {}
+    for add in graph.node:
+        found = _rotary(g, add) if add.op_type == "Add" else None
+        if found is None:
+            continue
+        x_type = shapes.get(found["x"])
+        dims = [d.dim_value for d in x_type.shape.dim] if x_type is not None else []
+        if len(dims) != 4 or dims[3] != 2 * found["half"]:
+            continue
+        made = []
+        for t in ("cos", "sin"):
+            if found[t] not in lifted:
+                name = lifted[found[t]] = f"{found[t]}.heads_axis"
+                made.append(helper.make_node("Unsqueeze", [found[t], _HEADS_AXIS], [name],
+                                             name=name))  # fmt: skip
+        out = f"{add.output[0]}.rotated"
+        operands = [found["v"], lifted[found["cos"]], lifted[found["sin"]]]
+        made.append(helper.make_node(ROTATE_HALF, operands, [out], name=out, domain=DOMAIN))
+        made.append(helper.make_node("Transpose", [out], [add.output[0]], name=add.name,
+                                     perm=_HEADS_FIRST))  # fmt: skip
+        infos.append(helper.make_tensor_value_info(out, x_type.elem_type, None))
+        new[id(add)] = made
+        drop.update(id(n) for n in found["drop"])
+        feeds.update((id(n), n.output[0]) for n in found["feeds"])
+    if not new:
+        return 0
+    nodes = []
+    for n in graph.node:
+        if id(n) in drop:
+            continue
+        nodes += new.get(id(n), [n])
+    read = {i for n in nodes for i in n.input} | g.outputs
+    del graph.node[:]  # the Transposes and Unsqueezes the rotations read, unless read elsewhere
+    graph.node.extend(n for n in nodes if id(n) not in feeds or feeds[id(n)] in read)
+    graph.value_info.extend(infos)
+    graph.initializer.append(numpy_helper.from_array(np.array([2], np.int64), _HEADS_AXIS))
+    model.functions.append(rotate_half_function())
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return len(new)

@@ -12,12 +12,13 @@ import json
 from pathlib import Path
 
 import onnx
+import onnx.inliner
 
 from tqexport import validate
 from tqexport.contract.artifact import open_artifact
 from tqexport.contract.files import ENGINE_FILE, PROFILE_FILE
 from tqexport.errors import TQExportError
-from tqexport.ops.attributes import DOMAIN, cache_write_attrs
+from tqexport.ops.attributes import DOMAIN, ROTATE_HALF, cache_write_attrs
 from tqexport.safe_files import write_file
 from tqexport.spec import ModelSpec
 from trt_plugins.toolchain import require_gpu, require_tensorrt
@@ -48,6 +49,12 @@ def check_weights(spec: ModelSpec) -> None:
 def node_attributes(node: onnx.NodeProto) -> dict:
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     return {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+
+
+def unfuse(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its RotateHalf nodes replaced by their function bodies (standard ONNX
+    ops TensorRT fuses itself; no plugin implements RotateHalf)."""
+    return onnx.inliner.inline_selected_functions(model, [(DOMAIN, ROTATE_HALF)])
 
 
 def use_plugins(model: onnx.ModelProto) -> dict[str, int]:
@@ -116,6 +123,7 @@ def build_engine(artifact_dir: str | Path, max_batch: int, max_tokens: int, max_
     import trt_plugins.plugins  # noqa: F401  (registers the plugins)
 
     model = onnx.load(str(art.model_file), load_external_data=False)
+    model = unfuse(model)
     use_plugins(model)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)

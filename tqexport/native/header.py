@@ -175,6 +175,7 @@ def _node_lines() -> list[str]:
         f'inline constexpr char kCacheWrite[] = "{attributes.CACHE_WRITE}";',
         f'inline constexpr char kPagedAttention[] = "{attributes.PAGED_ATTENTION}";',
         f'inline constexpr char kAddBlockOffsets[] = "{attributes.ADD_BLOCK_OFFSETS}";',
+        f'inline constexpr char kRotateHalf[] = "{attributes.ROTATE_HALF}";',
         "namespace attr {",
         *(f'inline constexpr char {n}[] = "{n}";' for n in names),
         "}  // namespace attr",

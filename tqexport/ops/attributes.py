@@ -18,6 +18,9 @@ PAGED_ATTENTION = "PagedAttention"
 #: ``y + (x's block sums) @ offsets``: what the offsets of a matrix's blocks (GGUF's mins) add
 #: to its product, one node per matrix (:mod:`tqexport.weights.graph`)
 ADD_BLOCK_OFFSETS = "AddBlockOffsets"
+#: ``x * cos + rotate_half(x) * sin``: a rotary embedding in one node
+#: (:mod:`tqexport.export.fusable`)
+ROTATE_HALF = "RotateHalf"
 
 #: Every attribute a node may carry, with the Python type of its value: the TensorRT plugins
 #: declare them from these tables, the native kernels read them by these names (generated
