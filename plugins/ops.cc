@@ -524,29 +524,62 @@ struct PagedAttentionOp : Ort::CustomOpBase<PagedAttentionOp, PagedAttentionKern
 };
 
 // -- AddBlockOffsets --------------------------------------------------------------------------
-// out[r, c] = y[r, c] + sum_b sums[r, b] * offsets[b, c] over the columns [c0, c1), 64 at a time
-// in registers; compiled for AVX-512, AVX2 and the baseline, the CPU's chosen at load.
-__attribute__((target_clones("avx512f", "avx2", "default"))) void add_offsets(
-    const float* sums, const float* offsets, const float* y, float* out, int64_t rows,
-    int64_t blocks, int64_t n, int64_t c0, int64_t c1) {
-  constexpr int64_t kWidth = 64;
+// sums[i] = the sum of x[i * block, (i + 1) * block) for i < count (summed in any order).
+__attribute__((target_clones("avx512f", "avx2", "default"),
+               optimize("fp-contract=fast", "associative-math", "no-signed-zeros",
+                        "no-trapping-math"))) void
+block_sums(const float* x, int64_t count, int64_t block, float* sums) {
+  for (int64_t i = 0; i < count; ++i) {
+    float s = 0.0f;
+    for (int64_t j = 0; j < block; ++j) s += x[i * block + j];
+    sums[i] = s;
+  }
+}
+
+constexpr int64_t kOffsetsWidth = 32;  // columns of an AddBlockOffsets tile
+
+// Rows [r, r + R) x columns [c, c + kOffsetsWidth) of out = y + sums @ offsets, accumulated in
+// registers: each row of offsets read once for the R rows.
+template <int64_t R>
+__attribute__((always_inline)) inline void offsets_tile(const float* sums, const float* offsets,
+                                                        const float* y, float* out, int64_t r,
+                                                        int64_t blocks, int64_t n, int64_t c) {
+  float acc[R][kOffsetsWidth];
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t j = 0; j < kOffsetsWidth; ++j) acc[i][j] = y[(r + i) * n + c + j];
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* m = offsets + b * n + c;
+    for (int64_t i = 0; i < R; ++i) {
+      const float s = sums[(r + i) * blocks + b];
+      for (int64_t j = 0; j < kOffsetsWidth; ++j) acc[i][j] += s * m[j];
+    }
+  }
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t j = 0; j < kOffsetsWidth; ++j) out[(r + i) * n + c + j] = acc[i][j];
+}
+
+// out[r, c] = y[r, c] + sum_b sums[r, b] * offsets[b, c] over the columns [c0, c1): tiles of 8
+// rows (a prefill), then of one (a decode step), the columns past the last tile one at a time;
+// compiled for AVX-512, AVX2 and the baseline, the CPU's chosen at load, with fused
+// multiply-adds where the CPU has them.
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("fp-contract=fast"))) void
+add_offsets(const float* sums, const float* offsets, const float* y, float* out, int64_t rows,
+            int64_t blocks, int64_t n, int64_t c0, int64_t c1) {
+  constexpr int64_t kRows = 8;
+  const int64_t tiled = rows - rows % kRows, end = c0 + (c1 - c0) / kOffsetsWidth * kOffsetsWidth;
+  for (int64_t c = c0; c < end; c += kOffsetsWidth) {
+    for (int64_t r = 0; r < tiled; r += kRows)
+      offsets_tile<kRows>(sums, offsets, y, out, r, blocks, n, c);
+    for (int64_t r = tiled; r < rows; ++r) offsets_tile<1>(sums, offsets, y, out, r, blocks, n, c);
+  }
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = c0; c < c1; c += kWidth) {
-      const int64_t w = std::min(kWidth, c1 - c);
-      float acc[kWidth];
-      for (int64_t i = 0; i < w; ++i) acc[i] = y[r * n + c + i];
-      for (int64_t b = 0; b < blocks; ++b) {
-        const float s = sums[r * blocks + b];
-        const float* m = offsets + b * n + c;
-        for (int64_t i = 0; i < w; ++i) acc[i] += s * m[i];
-      }
-      for (int64_t i = 0; i < w; ++i) out[r * n + c + i] = acc[i];
+    for (int64_t c = end; c < c1; ++c) {
+      float acc = y[r * n + c];
+      for (int64_t b = 0; b < blocks; ++b) acc += sums[r * blocks + b] * offsets[b * n + c];
+      out[r * n + c] = acc;
     }
 }
 
-// out = y + (x's sums over blocks of `block` along K) @ offsets: the share of x @ W that the
-// offsets of W's blocks (GGUF's mins: Q4_1, Q4_K, Q5_1, Q5_K) add to the product of its codes
-// and scales, which y holds.
 struct AddBlockOffsetsKernel {
   int64_t block = 0;  // block_size
 
@@ -584,14 +617,19 @@ struct AddBlockOffsetsKernel {
     for (size_t i = 0; i + 1 < x.shape.size(); ++i) rows *= x.shape[i];
     void* out = output(ctx, 0, y_shape);
     if (rows == 0 || n == 0) return;
-    std::vector<float> sums(static_cast<size_t>(rows * blocks));
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t b = 0; b < blocks; ++b) {
-        float s = 0.0f;
-        for (int64_t i = (r * blocks + b) * block, end = i + block; i < end; ++i)
-          s += e == Elem::float32 ? static_cast<const float*>(x.data)[i] : load_elem(x.data, e, i);
-        sums[r * blocks + b] = s;
-      }
+    std::vector<float> x32, sums(static_cast<size_t>(rows * blocks));
+    const float* xs = static_cast<const float*>(x.data);
+    if (e != Elem::float32) {
+      x32 = to_float(x.data, e, rows * k);
+      xs = x32.data();
+    }
+    const int64_t sum_tasks = std::clamp<int64_t>((rows * k) >> 18, 1, rows);
+    const int64_t sum_span = (rows + sum_tasks - 1) / sum_tasks;
+    parallel(ctx, static_cast<size_t>(sum_tasks), [&](size_t task) {
+      const int64_t r0 = static_cast<int64_t>(task) * sum_span;
+      const int64_t count = std::min(rows, r0 + sum_span) - r0;
+      if (count > 0) block_sums(xs + r0 * k, count * blocks, block, sums.data() + r0 * blocks);
+    });
     // float32 rows as they are; other float types through float32 copies of y and out
     std::vector<float> y32, out32;
     const float* ys = static_cast<const float*>(y.data);
@@ -605,8 +643,9 @@ struct AddBlockOffsetsKernel {
     const float* offs = static_cast<const float*>(offsets.data);
     // tasks of whole column ranges; one task unless the work outweighs waking ORT's threads
     const int64_t work = rows * n * std::max<int64_t>(blocks, 1);
-    const int64_t tasks = std::clamp<int64_t>(work >> 20, 1, (n + 63) / 64);
-    const int64_t span = (n + tasks - 1) / tasks;
+    const int64_t tiles = (n + kOffsetsWidth - 1) / kOffsetsWidth;
+    const int64_t tasks = std::clamp<int64_t>(work >> 20, 1, tiles);
+    const int64_t span = (tiles + tasks - 1) / tasks * kOffsetsWidth;  // whole tiles per task
     parallel(ctx, static_cast<size_t>(tasks), [&](size_t task) {
       const int64_t c0 = static_cast<int64_t>(task) * span, c1 = std::min(n, c0 + span);
       if (c0 < c1) add_offsets(sums.data(), offs, ys, os, rows, blocks, n, c0, c1);
