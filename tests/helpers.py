@@ -239,16 +239,19 @@ def assert_greedy(logits, generated, near_tie=NEAR_TIE) -> int:
 
 def assert_same_generation(logits, a, b, near_tie=NEAR_TIE):
     """Greedy outputs ``a`` (``logits``: its teacher-forced reference logits) and ``b`` of one
-    prompt agree token for token, or up to a near tie that they split between the top two."""
+    prompt agree token for token, or up to a near tie: where they split, each token's
+    reference logit is within ``near_tie`` of the best (the top two at the default near tie;
+    a wider noise, such as 8-bit inputs', may also pick a third that close)."""
     split = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
     if split is None:
         assert len(a) == len(b), (a, b)
         return
-    values, ids = logits[split].topk(2)
-    gap = float(values[0] - values[1])
-    assert gap <= near_tie and {a[split], b[split]} <= set(ids.tolist()), (
+    row = logits[split]
+    behind = {t: float(row.max() - row[t]) for t in (a[split], b[split])}
+    assert max(behind.values()) <= near_tie, (
         f"outputs split at token {split} ({a[split]} vs {b[split]}) where the reference's top "
-        f"two are {ids.tolist()} with a gap of {gap:.2e}, not a near tie"
+        f"two are {row.topk(2).indices.tolist()} and the two tokens are "
+        f"{', '.join(f'{v:.2e}' for v in behind.values())} behind the best, not a near tie"
     )
 
 
