@@ -133,8 +133,9 @@ def _rotary(g: _Graph, add: onnx.NodeProto) -> dict | None:
             cos, sin = plain.input[1 - list(plain.input).index(x)], turned.input[1 - ci]
             bounds = [[g.ints(i) for i in s.input[1:5]] + [None] * (5 - len(s.input))
                       for s in (first, second)]  # fmt: skip
-            (s1, e1, a1, st1), (s2, _, a2, st2) = bounds
-            if not (s1 == [0] and e1 and s2 == e1 and a1 in ([-1], [3]) and a2 in ([-1], [3])
+            (s1, e1, a1, st1), (s2, e2, a2, st2) = bounds
+            last = ([-1], [3])
+            if not (s1 == [0] and e1 and s2 == e1 and e2 and a1 in last and a2 in last
                     and st1 in (None, [1]) and st2 in (None, [1])):  # fmt: skip
                 continue
             turn = g.made_by(x, "Transpose")
@@ -149,7 +150,8 @@ def _rotary(g: _Graph, add: onnx.NodeProto) -> dict | None:
             if not all(g.only_reader(name, node) for name, node in inner):
                 continue
             return {"v": turn.input[0], "x": x, "cos": lifts[0].input[0],
-                    "sin": lifts[1].input[0], "half": e1[0], "feeds": [turn, *lifts],
+                    "sin": lifts[1].input[0], "half": e1[0], "end": e2[0],
+                    "feeds": [turn, *lifts],
                     "drop": [*muls, cat, neg, first, second]}  # fmt: skip
     return None
 
@@ -173,7 +175,7 @@ def rotate_halves(model: onnx.ModelProto) -> int:
             continue
         x_type = shapes.get(found["x"])
         dims = [d.dim_value for d in x_type.shape.dim] if x_type is not None else []
-        if len(dims) != 4 or dims[3] != 2 * found["half"]:
+        if len(dims) != 4 or dims[3] != 2 * found["half"] or found["end"] < dims[3]:
             continue
         made = []
         for t in ("cos", "sin"):

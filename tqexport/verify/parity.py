@@ -112,7 +112,7 @@ class _TapSession:
         elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(artifact.spec.dtype))
         for node in model.graph.node:
             if node.domain != DOMAIN or node.op_type not in (CACHE_WRITE, PAGED_ATTENTION):
-                continue  # AddBlockOffsets: a weights node, no layer's cache
+                continue  # AddBlockOffsets, RotateHalf: no layer's cache
             layer = next(a.i for a in node.attribute if a.name == "layer")
             if node.op_type == CACHE_WRITE:
                 self.taps[(layer, "k")] = node.input[-3]

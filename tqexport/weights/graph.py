@@ -40,7 +40,7 @@ Stored = Callable[[], "BlockWeight | np.ndarray"]
 PACK_SEP = "+"
 #: a packed matrix's int64 initializer of its members' widths along N (the Split's sizes)
 WIDTHS = ".widths"
-#: the prefix of the graph's own constants (index constants, block-sum indicators): no weight
+#: the prefix of the graph's own constants (index constants): no weight
 INTERNAL = f"{PLACEHOLDER_DOMAIN}."
 #: the ONNX opset of AddBlockOffsets' function body (CastLike: 15; Shape's end: 15)
 BODY_OPSET = 21
