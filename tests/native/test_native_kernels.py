@@ -874,7 +874,7 @@ def block_offsets_session(library, block, types, body=False):
     ((64,), 2100, 16, 32, "float32"),  # a prefill: work for two tasks
     ((2, 3), 96, 6, 16, "float16"),
 ])  # fmt: skip
-def test_add_block_offsets_matches_its_function_body(library, lead, n, blocks, block, dtype):
+def test_add_block_offsets_matches_its_body(library, lead, n, blocks, block, dtype):
     """y + (x's sums over blocks) @ offsets: the kernel equals float64 arithmetic and the
     node's own function body to float32 rounding (float16 models: to half rounding)."""
     rng = np.random.default_rng(n)
@@ -957,7 +957,7 @@ def rotate_half_session(library, types, body=False):
     ((2, 7, 16), (16,), "float32"),  # one row for every position
     ((1, 4, 2, 8), (1, 4, 1, 8), "float16"),
 ])  # fmt: skip
-def test_rotate_half_equals_its_function_body(library, x_shape, cos_shape, dtype):
+def test_rotate_half_equals_its_body(library, x_shape, cos_shape, dtype):
     """x * cos + rotate_half(x) * sin: float32 results are the unfused ops' bit for bit (each
     product rounded, then the sum), float16 ones to half rounding."""
     rng = np.random.default_rng(len(x_shape))
