@@ -252,19 +252,62 @@ const Kernel& attention_kernel() {
   return kernel;
 }
 
+// kernel.compute(ctx), any error returned as a status naming op (and layer, where >= 0).
+template <typename K>
+OrtStatusPtr guarded(K& kernel, const char* op, int64_t layer, OrtKernelContext* ctx) {
+  try {
+    kernel.compute(ctx);
+    return nullptr;
+  } catch (const Error& e) {
+    return status(op, layer, e.message);
+  } catch (const std::exception& e) {
+    return status(op, layer, e.what());
+  }
+}
+
+// The element type of a model-dtype tensor (float32, float16 or bfloat16), else an error.
+Elem float_elem(const Tensor& t, const char* name) {
+  if (t.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) return Elem::float32;
+  if (t.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) return Elem::float16;
+  if (t.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16) return Elem::bfloat16;
+  throw Error{std::string(name) + " has element type " + type_name(t.type) +
+              ", expected a float type"};
+}
+
+// Exactly `n` inputs, named in `what` for the error.
+void expect_inputs(OrtKernelContext* ctx, size_t n, const char* what) {
+  size_t count = 0;
+  check(g_api->KernelContext_GetInputCount(ctx, &count));
+  if (count != n)
+    throw Error{"expected " + std::to_string(n) + " inputs (" + what + "), got " +
+                std::to_string(count)};
+}
+
+// An op of one heterogeneous variadic input (at least kMinInputs tensors) and one output, which
+// ONNX Runtime types as the first input (PagedAttention, AddBlockOffsets, RotateHalf).
+template <typename Op, typename Kernel, int kMinInputs>
+struct OneOutputOp : Ort::CustomOpBase<Op, Kernel, true> {
+  size_t GetInputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetInputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t) const {
+    return INPUT_OUTPUT_VARIADIC;
+  }
+  int GetVariadicInputMinArity() const { return kMinInputs; }
+  bool GetVariadicInputHomogeneity() const { return false; }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+};
+
 // -- CacheWrite -------------------------------------------------------------------------------
 struct CacheWriteKernel {
   CacheAttrs a;
 
   OrtStatusPtr ComputeV2(OrtKernelContext* ctx) {
-    try {
-      compute(ctx);
-      return nullptr;
-    } catch (const Error& e) {
-      return status(gen::kCacheWrite, a.layer, e.message);
-    } catch (const std::exception& e) {
-      return status(gen::kCacheWrite, a.layer, e.what());
-    }
+    return guarded(*this, gen::kCacheWrite, a.layer, ctx);
   }
 
   void compute(OrtKernelContext* ctx) {
@@ -330,14 +373,7 @@ struct PagedAttentionKernel {
   Format recent_format;
 
   OrtStatusPtr ComputeV2(OrtKernelContext* ctx) {
-    try {
-      compute(ctx);
-      return nullptr;
-    } catch (const Error& e) {
-      return status(gen::kPagedAttention, a.layer, e.message);
-    } catch (const std::exception& e) {
-      return status(gen::kPagedAttention, a.layer, e.what());
-    }
+    return guarded(*this, gen::kPagedAttention, a.layer, ctx);
   }
 
   static void check_table(const Tensor& t, const char* name, int64_t seqs, int64_t blocks) {
@@ -502,25 +538,12 @@ std::string setup_attention(const OrtKernelInfo* info, PagedAttentionKernel& k) 
   return "";
 }
 
-struct PagedAttentionOp : Ort::CustomOpBase<PagedAttentionOp, PagedAttentionKernel, true> {
+struct PagedAttentionOp : OneOutputOp<PagedAttentionOp, PagedAttentionKernel, 6> {
   OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
     return create_kernel<PagedAttentionKernel>(gen::kPagedAttention, info, kernel,
                                                setup_attention);
   }
   const char* GetName() const { return gen::kPagedAttention; }
-  size_t GetInputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetInputType(size_t) const {
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  }
-  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t) const {
-    return INPUT_OUTPUT_VARIADIC;
-  }
-  int GetVariadicInputMinArity() const { return 6; }
-  bool GetVariadicInputHomogeneity() const { return false; }
-  size_t GetOutputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetOutputType(size_t) const {
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  }
 };
 
 // -- AddBlockOffsets --------------------------------------------------------------------------
@@ -584,26 +607,13 @@ struct AddBlockOffsetsKernel {
   int64_t block = 0;  // block_size
 
   OrtStatusPtr ComputeV2(OrtKernelContext* ctx) {
-    try {
-      compute(ctx);
-      return nullptr;
-    } catch (const Error& e) {
-      return status(gen::kAddBlockOffsets, -1, e.message);
-    } catch (const std::exception& e) {
-      return status(gen::kAddBlockOffsets, -1, e.what());
-    }
+    return guarded(*this, gen::kAddBlockOffsets, -1, ctx);
   }
 
   void compute(OrtKernelContext* ctx) {
-    size_t count = 0;
-    check(g_api->KernelContext_GetInputCount(ctx, &count));
-    if (count != 3) throw Error{"expected 3 inputs (x, y, offsets), got " + std::to_string(count)};
+    expect_inputs(ctx, 3, "x, y, offsets");
     const Tensor x = input(ctx, 0), y = input(ctx, 1), offsets = input(ctx, 2);
-    Elem e = Elem::float32;
-    if (x.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) e = Elem::float16;
-    else if (x.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16) e = Elem::bfloat16;
-    else if (x.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
-      throw Error{"x has element type " + type_name(x.type) + ", expected a float type"};
+    const Elem e = float_elem(x, "x");
     expect(offsets, "offsets", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, {-1, -1});
     const int64_t blocks = offsets.shape[0], n = offsets.shape[1], k = blocks * block;
     if (x.shape.empty() || x.shape.back() != k)
@@ -655,7 +665,8 @@ struct AddBlockOffsetsKernel {
   }
 };
 
-struct AddBlockOffsetsOp : Ort::CustomOpBase<AddBlockOffsetsOp, AddBlockOffsetsKernel, true> {
+// x, y (the model's float) and offsets (float32): the output typed as x
+struct AddBlockOffsetsOp : OneOutputOp<AddBlockOffsetsOp, AddBlockOffsetsKernel, 3> {
   OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
     auto k = std::make_unique<AddBlockOffsetsKernel>();
     if (!attr_int(info, gen::attr::block_size, k->block) || k->block < 1)
@@ -664,21 +675,6 @@ struct AddBlockOffsetsOp : Ort::CustomOpBase<AddBlockOffsetsOp, AddBlockOffsetsK
     return nullptr;
   }
   const char* GetName() const { return gen::kAddBlockOffsets; }
-  // x, y (the model's float) and offsets (float32) as one heterogeneous variadic input, so
-  // ONNX Runtime types the output as the first (x), as for the cache ops
-  size_t GetInputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetInputType(size_t) const {
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  }
-  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t) const {
-    return INPUT_OUTPUT_VARIADIC;
-  }
-  int GetVariadicInputMinArity() const { return 3; }
-  bool GetVariadicInputHomogeneity() const { return false; }
-  size_t GetOutputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetOutputType(size_t) const {
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  }
 };
 
 // -- RotateHalf -------------------------------------------------------------------------------
@@ -687,14 +683,7 @@ struct AddBlockOffsetsOp : Ort::CustomOpBase<AddBlockOffsetsOp, AddBlockOffsetsK
 // the unfused ONNX ops round in, so float32 results are theirs, bit for bit).
 struct RotateHalfKernel {
   OrtStatusPtr ComputeV2(OrtKernelContext* ctx) {
-    try {
-      compute(ctx);
-      return nullptr;
-    } catch (const Error& e) {
-      return status(gen::kRotateHalf, -1, e.message);
-    } catch (const std::exception& e) {
-      return status(gen::kRotateHalf, -1, e.what());
-    }
+    return guarded(*this, gen::kRotateHalf, -1, ctx);
   }
 
   // Element strides of `t` over x's index space (0 where t broadcasts), checked against x.
@@ -718,15 +707,9 @@ struct RotateHalfKernel {
   }
 
   void compute(OrtKernelContext* ctx) {
-    size_t count = 0;
-    check(g_api->KernelContext_GetInputCount(ctx, &count));
-    if (count != 3) throw Error{"expected 3 inputs (x, cos, sin), got " + std::to_string(count)};
+    expect_inputs(ctx, 3, "x, cos, sin");
     const Tensor x = input(ctx, 0), c = input(ctx, 1), s = input(ctx, 2);
-    Elem e = Elem::float32;
-    if (x.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) e = Elem::float16;
-    else if (x.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16) e = Elem::bfloat16;
-    else if (x.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
-      throw Error{"x has element type " + type_name(x.type) + ", expected a float type"};
+    const Elem e = float_elem(x, "x");
     if (x.shape.empty() || x.shape.back() < 2 || x.shape.back() % 2)
       throw Error{"x has shape " + shape_str(x.shape) + ", expected [..., D] with D even"};
     const std::vector<int64_t> cs = broadcast_strides(c, "cos", x),
@@ -774,26 +757,13 @@ struct RotateHalfKernel {
   }
 };
 
-struct RotateHalfOp : Ort::CustomOpBase<RotateHalfOp, RotateHalfKernel, true> {
+// x, cos and sin: the output typed as x
+struct RotateHalfOp : OneOutputOp<RotateHalfOp, RotateHalfKernel, 3> {
   OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo*, void** kernel) const {
     *kernel = new RotateHalfKernel();
     return nullptr;
   }
   const char* GetName() const { return gen::kRotateHalf; }
-  // x, cos and sin as one heterogeneous variadic input: the output is typed as x
-  size_t GetInputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetInputType(size_t) const {
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  }
-  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t) const {
-    return INPUT_OUTPUT_VARIADIC;
-  }
-  int GetVariadicInputMinArity() const { return 3; }
-  bool GetVariadicInputHomogeneity() const { return false; }
-  size_t GetOutputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetOutputType(size_t) const {
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  }
 };
 
 CacheWriteOp g_cache_write;

@@ -842,30 +842,37 @@ def test_no_code_is_shared_between_the_instruction_set_kernels(tmp_path):
                for isa, syms in zip(("base", "avx2", "avx512"), symbols))  # fmt: skip
 
 
-def block_offsets_session(library, block, types, body=False):
-    """One AddBlockOffsets node: inputs x, y, offsets of element ``types`` (names), served by
-    the library, or by its function body where ``body``."""
+def one_node_session(library, op, names, types, body=None, **attrs):
+    """One ``op`` node over inputs ``names`` of element ``types`` (names), output typed as the
+    first: served by the library, or by its function ``body`` where given."""
     import onnx
 
     elem = [ONNX_TYPES[t] for t in types]
-    node = onnx.helper.make_node(ADD_BLOCK_OFFSETS, ["x", "y", "offsets"], ["out"],
-                                 domain=DOMAIN, block_size=block)  # fmt: skip
-    node.overload = f"block_size_{block}"
+    node = onnx.helper.make_node(op, names, ["out"], domain=DOMAIN, **attrs)
+    if body is not None:
+        node.overload = body.overload
     graph = onnx.helper.make_graph(
         [node], "g",
-        [onnx.helper.make_tensor_value_info(n, e, None)
-         for n, e in zip(["x", "y", "offsets"], elem, strict=True)],
-        [onnx.helper.make_tensor_value_info("out", elem[1], None)],
+        [onnx.helper.make_tensor_value_info(n, e, None) for n, e in zip(names, elem, strict=True)],
+        [onnx.helper.make_tensor_value_info("out", elem[0], None)],
     )  # fmt: skip
-    functions = [block_offsets_function(block, node.overload)] if body else []
-    model = onnx.helper.make_model(graph, functions=functions, ir_version=10, opset_imports=[
-        onnx.helper.make_opsetid("", 21), onnx.helper.make_opsetid(DOMAIN, 1)])  # fmt: skip
+    model = onnx.helper.make_model(
+        graph, functions=[body] if body is not None else [], ir_version=10,
+        opset_imports=[onnx.helper.make_opsetid("", 21), onnx.helper.make_opsetid(DOMAIN, 1)],
+    )  # fmt: skip
     opts = ort.SessionOptions()
     opts.enable_cpu_mem_arena = False
     opts.log_severity_level = 4
-    if not body:
+    if body is None:
         opts.register_custom_ops_library(str(library))
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def block_offsets_session(library, block, types, body=False):
+    """One AddBlockOffsets node: inputs x, y, offsets of element ``types``."""
+    function = block_offsets_function(block, f"block_size_{block}") if body else None
+    return one_node_session(library, ADD_BLOCK_OFFSETS, ["x", "y", "offsets"], types, function,
+                            block_size=block)  # fmt: skip
 
 
 @pytest.mark.parametrize("lead, n, blocks, block, dtype", [
@@ -926,28 +933,9 @@ def test_add_block_offsets_refuses_a_block_size_that_is_not_positive(library):
 
 
 def rotate_half_session(library, types, body=False):
-    """One RotateHalf node over inputs x, cos, sin of element ``types`` (names): the library's
-    kernel, or the node's function body where ``body``."""
-    import onnx
-
-    elem = [ONNX_TYPES[t] for t in types]
-    node = onnx.helper.make_node(ROTATE_HALF, ["x", "cos", "sin"], ["out"], domain=DOMAIN)
-    graph = onnx.helper.make_graph(
-        [node], "g",
-        [onnx.helper.make_tensor_value_info(n, e, None)
-         for n, e in zip(["x", "cos", "sin"], elem, strict=True)],
-        [onnx.helper.make_tensor_value_info("out", elem[0], None)],
-    )  # fmt: skip
-    model = onnx.helper.make_model(
-        graph, functions=[rotate_half_function()] if body else [], ir_version=10,
-        opset_imports=[onnx.helper.make_opsetid("", 21), onnx.helper.make_opsetid(DOMAIN, 1)],
-    )  # fmt: skip
-    opts = ort.SessionOptions()
-    opts.enable_cpu_mem_arena = False
-    opts.log_severity_level = 4
-    if not body:
-        opts.register_custom_ops_library(str(library))
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    """One RotateHalf node: inputs x, cos, sin of element ``types``."""
+    function = rotate_half_function() if body else None
+    return one_node_session(library, ROTATE_HALF, ["x", "cos", "sin"], types, function)
 
 
 @pytest.mark.parametrize("x_shape, cos_shape, dtype", [

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from tqexport.ops.attributes import DOMAIN, ROTATE_HALF
+from tqexport.ops.attributes import BODY_OPSET, DOMAIN, ROTATE_HALF
 
 
 def divide_by_roots(model: onnx.ModelProto) -> int:
@@ -73,7 +73,7 @@ def rotate_half_function() -> onnx.FunctionProto:
         make("Add", ["x_cos", "rotated_sin"], ["out"]),
     ]
     return helper.make_function(DOMAIN, ROTATE_HALF, ["x", "cos", "sin"], ["out"], nodes,
-                                [helper.make_opsetid("", 21)])  # fmt: skip
+                                [helper.make_opsetid("", BODY_OPSET)])  # fmt: skip
 
 
 class _Graph:

@@ -21,6 +21,9 @@ ADD_BLOCK_OFFSETS = "AddBlockOffsets"
 #: ``x * cos + rotate_half(x) * sin``: a rotary embedding in one node
 #: (:mod:`tqexport.export.fusable`)
 ROTATE_HALF = "RotateHalf"
+#: the ONNX opset the bodies of AddBlockOffsets and RotateHalf import (written by hand; a model
+#: of a later opset runs them as they are)
+BODY_OPSET = 21
 
 #: Every attribute a node may carry, with the Python type of its value: the TensorRT plugins
 #: declare them from these tables, the native kernels read them by these names (generated

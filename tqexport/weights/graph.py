@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from tqexport.ops.attributes import ADD_BLOCK_OFFSETS, DOMAIN
+from tqexport.ops.attributes import ADD_BLOCK_OFFSETS, BODY_OPSET, DOMAIN
 from tqexport.spec.weights import StoredTensor
 from tqexport.weights.blocks import BlockWeight, pack_int4
 from tqexport.weights.placeholders import GATHER, MATMUL, PLACEHOLDER_DOMAIN
@@ -42,8 +42,6 @@ PACK_SEP = "+"
 WIDTHS = ".widths"
 #: the prefix of the graph's own constants (index constants): no weight
 INTERNAL = f"{PLACEHOLDER_DOMAIN}."
-#: the ONNX opset of AddBlockOffsets' function body (CastLike: 15; Shape's end: 15)
-BODY_OPSET = 21
 
 
 def members(base: str) -> list[str]:
