@@ -1,5 +1,6 @@
 """The exported graph's RMS norms take the form ONNX Runtime fuses into one node each; its
-rotate-half rotaries become one RotateHalf node each, computing what they computed."""
+rotate-half rotaries become one RotateHalf node each, computing what they computed; the
+attention reads its rows without the export's batch axis of one and the nodes that took it."""
 
 import collections
 
@@ -9,7 +10,13 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from tqexport.contract.artifact import open_artifact
-from tqexport.export.fusable import divide_by_roots, rotate_halves
+from tqexport.export.fusable import (
+    divide_by_roots,
+    drop_batch_axis,
+    rotate_half_function,
+    rotate_halves,
+)
+from tqexport.native import build as native_build
 from tqexport.ops.attributes import ROTATE_HALF
 
 D = 16
@@ -167,3 +174,123 @@ def test_an_exported_model_rotates_every_query_and_key_in_one_node(artifacts):
     art = open_artifact(artifacts("tiny-llama", "auto"))
     ops = collections.Counter(n.op_type for n in onnx.load(str(art.model_file)).graph.node)
     assert ops[ROTATE_HALF] == 2 * len(art.spec.layers) and ops["Neg"] == 0
+
+
+def batch_axis_model(shared_view: bool = False) -> onnx.ModelProto:
+    """The attention's inputs and output as the export leaves them after :func:`rotate_halves`:
+    the projection p ``[1, T, H*D]`` reshaped to ``[1, T, H, D]`` (allowzero, as torch
+    writes it), rotated (query) or not (value), transposed to heads first, row 0 gathered and
+    transposed to ``[T, H, D]``; the output unsqueezed and reshaped back to ``[1, T, H*D]``
+    (``shared_view``: the value's view is a graph output too, so it has to stay)."""
+    ints = {"row": np.array(0, np.int64), "axis2": np.array([2], np.int64),
+            "axis0": np.array([0], np.int64), "view": np.array([1, -1, H, HD], np.int64),
+            "flat": np.array([1, -1, H * HD], np.int64)}  # fmt: skip
+    inits = [numpy_helper.from_array(v, k) for k, v in ints.items()]
+    make = helper.make_node
+    nodes = [make("Unsqueeze", ["cos", "axis2"], ["cos4"]),
+             make("Unsqueeze", ["sin", "axis2"], ["sin4"])]  # fmt: skip
+    for name, rotated in (("q", True), ("v", False)):
+        nodes.append(make("Reshape", ["p", "view"], [f"{name}.view"], allowzero=1))
+        x = f"{name}.view"
+        if rotated:
+            nodes.append(make(ROTATE_HALF, [x, "cos4", "sin4"], [f"{name}.rot"], domain="tqexport"))
+            x = f"{name}.rot"
+        nodes += [make("Transpose", [x], [f"{name}.heads"], perm=[0, 2, 1, 3]),
+                  make("Gather", [f"{name}.heads", "row"], [f"{name}.row"], axis=0),
+                  make("Transpose", [f"{name}.row"], [name], perm=[1, 0, 2])]  # fmt: skip
+    nodes += [make("Add", ["q", "v"], ["a"]),
+              make("Unsqueeze", ["a", "axis0"], ["a1"]),
+              make("Reshape", ["a1", "flat"], ["out"])]  # fmt: skip
+    inputs = [helper.make_tensor_value_info("p", TensorProto.FLOAT, [1, T, H * HD])]
+    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, T, HD])
+               for n in ("cos", "sin")]  # fmt: skip
+    shapes = {"out": [1, T, H * HD], "q": [T, H, HD], "v": [T, H, HD]}
+    if shared_view:
+        shapes["v.view"] = [1, T, H, HD]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in shapes.items()]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, inits)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("tqexport", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
+    model.functions.append(rotate_half_function())
+    return model
+
+
+def batch_axis_feed() -> dict[str, np.ndarray]:
+    feed = rotary_feed()
+    return {"p": feed["v"].reshape(1, T, H * HD), "cos": feed["cos"], "sin": feed["sin"]}
+
+
+def test_the_attention_rows_lose_the_batch_axis_with_the_same_values(tmp_path):
+    """The query: one Reshape to ``[T, H, D]`` and RotateHalf with cos and sin's row 0; the
+    value: one Reshape; the output: one Reshape. Every graph output keeps its name and value
+    bit for bit, through the function body and the native kernel, ORT optimizing or not."""
+    model = batch_axis_model()
+    feed = batch_axis_feed()
+    before = run_all(model, feed)
+    assert drop_batch_axis(model) == 5
+    ops = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
+    assert ops == [
+        ("Unsqueeze", ["cos", "axis2"], ["cos4"]),
+        ("Unsqueeze", ["sin", "axis2"], ["sin4"]),
+        ("Reshape", ["p", "view.rows"], ["q.view.rows"]),
+        ("Gather", ["cos4", "row"], ["cos4.rows"]),
+        ("Gather", ["sin4", "row"], ["sin4.rows"]),
+        (ROTATE_HALF, ["q.view.rows", "cos4.rows", "sin4.rows"], ["q"]),
+        ("Reshape", ["p", "view.rows"], ["v"]),
+        ("Add", ["q", "v"], ["a"]),
+        ("Reshape", ["a", "flat"], ["out"]),
+    ]
+    shapes = {t.name: numpy_helper.to_array(t).tolist() for t in model.graph.initializer}
+    assert shapes["view.rows"] == [-1, H, HD]
+    onnx.checker.check_model(model, full_check=True)
+    levels = (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    library = native_build.build().library if native_build.find_ort_headers() else None
+    for level in levels:
+        for lib in {None, library}:
+            for got, want in zip(run_all(model, feed, level, lib), before, strict=True):
+                np.testing.assert_array_equal(got, want)
+
+
+def test_a_view_read_elsewhere_keeps_its_axis_and_the_row_is_one_gather():
+    """A view another node reads stays as it is; its row is taken by one Gather (the two
+    Transposes around it, which cancel, go)."""
+    model = batch_axis_model(shared_view=True)
+    feed = batch_axis_feed()
+    before = run_all(model, feed)
+    assert drop_batch_axis(model) == 4
+    ops = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
+    assert ("Reshape", ["p", "view"], ["v.view"]) in ops
+    assert ("Gather", ["v.view", "row"], ["v"]) in ops
+    assert [n.op_type for n in model.graph.node].count("Transpose") == 0
+    for got, want in zip(run_all(model, feed), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_row_other_than_the_first_or_a_kept_axis_stays():
+    """Only ``Gather(.., 0, axis=0)`` of a scalar index between the two transposes is the
+    batch row; a Gather of index ``[0]`` keeps its axis, so the graph stays."""
+    model = batch_axis_model()
+    row = next(t for t in model.graph.initializer if t.name == "row")
+    row.CopyFrom(numpy_helper.from_array(np.array([0], np.int64), "row"))
+    model.graph.node[-1].input[0] = "a"  # the Unsqueeze unused: only the rows are looked at
+    del model.graph.node[-2]
+    before = [n.op_type for n in model.graph.node]
+    assert drop_batch_axis(model) == 0
+    assert [n.op_type for n in model.graph.node] == before
+
+
+def test_an_exported_model_feeds_the_attention_from_the_projections_reshaped(artifacts):
+    """Every PagedAttention's query and CacheWrite's key come from a RotateHalf reading a
+    Reshape, every value from a Reshape; the attention's output goes to one Reshape."""
+    art = open_artifact(artifacts("tiny-llama", "auto"))
+    graph = onnx.load(str(art.model_file), load_external_data=False).graph
+    producer = {o: n for n in graph.node for o in n.output}
+    made = lambda name: producer[name].op_type  # noqa: E731
+    attention = [n for n in graph.node if n.op_type == "PagedAttention"]
+    writes = [n for n in graph.node if n.op_type == "CacheWrite"]
+    assert len(attention) == len(writes) == len(art.spec.layers)
+    for q in [n.input[0] for n in attention] + [n.input[-3] for n in writes]:  # query, key
+        assert made(q) == ROTATE_HALF and made(producer[q].input[0]) == "Reshape"
+    assert all(made(n.input[-2]) == "Reshape" for n in writes)
+    outputs = [n.output[0] for n in attention]
+    assert all([r.op_type for r in graph.node if o in r.input] == ["Reshape"] for o in outputs)

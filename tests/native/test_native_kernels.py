@@ -939,9 +939,9 @@ def rotate_half_session(library, types, body=False):
 
 
 @pytest.mark.parametrize("x_shape, cos_shape, dtype", [
-    ((1, 5, 3, 64), (1, 5, 1, 64), "float32"),  # the rewrite's layout: [B, T, H, D]
+    ((1, 5, 3, 64), (1, 5, 1, 64), "float32"),  # with a batch axis: [B, T, H, D]
     ((1, 3, 5, 64), (1, 1, 5, 64), "float32"),  # heads first
-    ((600, 4, 32), (600, 1, 32), "float32"),  # a prefill's worth: work for several tasks
+    ((600, 4, 32), (600, 1, 32), "float32"),  # the export's [T, H, D], a prefill's worth
     ((2, 7, 16), (16,), "float32"),  # one row for every position
     ((1, 4, 2, 8), (1, 4, 1, 8), "float16"),
 ])  # fmt: skip

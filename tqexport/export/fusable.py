@@ -5,7 +5,9 @@ torch exports ``x * rsqrt(mean(x^2) + eps)`` (every RMS norm of the models tqexp
 ``Sqrt -> Reciprocal -> Mul``; ORT fuses an RMS norm into one SimplifiedLayerNormalization node
 only from ``Sqrt -> Div`` (ORT 1.32), so unrewritten each norm runs as seven small nodes. A
 rotary embedding's rotate-half (two Slices, Neg, Concat, two Muls, Add per query and key) has no
-ORT fusion outside its contrib attention ops: it becomes one ``RotateHalf``.
+ORT fusion outside its contrib attention ops: it becomes one ``RotateHalf``. The export's batch
+axis of one (HF's ``[1, T, ...]`` around the attention, which reads ``[T, ...]``) costs a
+Gather per query, key and value and an Unsqueeze per output: they fold into the Reshapes beside.
 """
 
 from __future__ import annotations
@@ -208,3 +210,109 @@ def rotate_halves(model: onnx.ModelProto) -> int:
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return len(new)
+
+
+#: the transposes around the attention's batch row: HF's ``[1, H, T, D]`` back to ``[T, H, D]``
+_TOKENS_FIRST = [1, 0, 2]
+
+
+def _first_row(g: _Graph, turn_back: onnx.NodeProto) -> onnx.NodeProto | None:
+    """The Gather at ``Transpose(Gather(Transpose(y, [0, 2, 1, 3]), 0, axis=0), [1, 0, 2])``
+    ending in ``turn_back``, which is ``y[0]`` (how the attention takes its query, key and
+    value from HF's layout), else None."""
+    if turn_back.op_type != "Transpose" or list(_attr(turn_back, "perm", [])) != _TOKENS_FIRST:
+        return None
+    gather = g.made_by(turn_back.input[0], "Gather")
+    if gather is None or _attr(gather, "axis", 0) != 0 or not g.only_reader(gather.output[0],
+                                                                           turn_back):  # fmt: skip
+        return None
+    index = g.values.get(gather.input[1])
+    turn = g.made_by(gather.input[0], "Transpose")
+    if index is None or index.ndim != 0 or int(index) != 0 or turn is None:
+        return None
+    if list(_attr(turn, "perm", [])) != _HEADS_FIRST or not g.only_reader(turn.output[0], gather):
+        return None
+    return gather
+
+
+def _row_shape(g: _Graph, reshape: onnx.NodeProto | None) -> list[int] | None:
+    """The target shape of ``reshape`` without its leading 1 when it is a constant of the form
+    ``[1, ...]`` with no 0 entries (whose meaning ``allowzero`` decides), else None."""
+    shape = g.ints(reshape.input[1]) if reshape is not None else None
+    if not shape or shape[0] != 1 or 0 in shape:
+        return None
+    return shape[1:]
+
+
+def drop_batch_axis(model: onnx.ModelProto) -> int:
+    """Take the attention's ``[T, ...]`` rows without HF's batch axis of one: each
+    :func:`_first_row` chain becomes the Reshape of the projection to ``[T, H, D]`` (through
+    its RotateHalf, whose cos and sin lose the axis too) or, unmatched, one Gather; each
+    ``Reshape(Unsqueeze(a), shape)`` becomes ``Reshape(a, shape)``. Returns the nodes removed;
+    every tensor the rest of the graph reads keeps its name and value."""
+    graph = model.graph
+    g = _Graph(graph)
+    new: dict[int, list[onnx.NodeProto]] = {}
+    drop: set[int] = set()
+    made_shapes: dict[str, list[int]] = {}
+    rows: dict[str, str] = {}  # cos or sin [1, T, 1, D] -> its row [T, 1, D]
+    before = len(graph.node)
+    for turn_back in graph.node:
+        gather = _first_row(g, turn_back)
+        if gather is None:
+            continue
+        turn = g.producer[gather.input[0]]
+        out, index = turn_back.output[0], gather.input[1]
+        y = turn.input[0]
+        rotate = g.producer.get(y)
+        if rotate is not None and (rotate.op_type, rotate.domain) != (ROTATE_HALF, DOMAIN):
+            rotate = None
+        if rotate is not None and not g.only_reader(y, turn):
+            rotate = None
+        source = g.made_by(rotate.input[0] if rotate is not None else y, "Reshape")
+        target = _row_shape(g, source)
+        if target is None or not g.only_reader(source.output[0], rotate or turn):
+            made = [helper.make_node("Gather", [y, index], [out], name=out, axis=0)]
+            rotate = None
+        else:
+            shape = f"{source.input[1]}.rows"
+            made_shapes[shape] = target
+            reshaped = f"{source.output[0]}.rows" if rotate is not None else out
+            made = [helper.make_node("Reshape", [source.input[0], shape], [reshaped],
+                                     name=reshaped)]  # fmt: skip
+            drop.add(id(source))
+        if rotate is not None:
+            angles = []
+            for t in rotate.input[1:]:
+                if t not in rows:
+                    rows[t] = f"{t}.rows"
+                    made.append(helper.make_node("Gather", [t, index], [rows[t]], name=rows[t],
+                                                 axis=0))  # fmt: skip
+                angles.append(rows[t])
+            made.append(helper.make_node(ROTATE_HALF, [made[0].output[0], *angles], [out],
+                                         name=out, domain=DOMAIN))  # fmt: skip
+            drop.add(id(rotate))
+        new[id(turn_back)] = made
+        drop.update((id(gather), id(turn)))
+    for reshape in graph.node:
+        lift = g.made_by(reshape.input[0], "Unsqueeze") if reshape.op_type == "Reshape" else None
+        shape = g.ints(reshape.input[1]) if lift is not None else None
+        if shape is None or 0 in shape or not g.only_reader(lift.output[0], reshape):
+            continue
+        reshape.input[0] = lift.input[0]
+        drop.add(id(lift))
+    nodes = []
+    for n in graph.node:
+        if id(n) not in drop:
+            nodes += new.get(id(n), [n])
+    if len(nodes) == before:
+        return 0
+    del graph.node[:]
+    graph.node.extend(nodes)
+    named = {o for n in nodes for o in n.output} | {t.name for t in graph.input}
+    stale = [v for v in graph.value_info if v.name not in named]
+    for v in stale:
+        graph.value_info.remove(v)
+    for name, target in made_shapes.items():
+        graph.initializer.append(numpy_helper.from_array(np.array(target, np.int64), name))
+    return before - len(graph.node)
