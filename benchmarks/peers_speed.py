@@ -129,6 +129,11 @@ def genai_session_record(ours: dict, genai_config: dict, overlay: dict, note: st
             "differences": sessions.differences(ours, theirs), "note": note}  # fmt: skip
 
 
+#: prompt tokens GenAI takes per call: its CPU attention holds a call's scores at once (heads x
+#: tokens x context floats: 60 GB for one 32k-token call on Qwen2.5 Coder 0.5B, 3.7 GB a chunk)
+GENAI_PROMPT_CHUNK = 2048
+
+
 class GenAI:
     """One GenAI generator holding ``batch`` prompts of ``context`` tokens."""
 
@@ -139,7 +144,9 @@ class GenAI:
         params.set_search_options(max_length=context + steps + 2, batch_size=batch, do_sample=False)
         self.gen = og.Generator(model, params)
         rng = np.random.default_rng(0)
-        self.gen.append_tokens(rng.integers(10, 30000, (batch, context)).astype(np.int32))
+        prompt = rng.integers(10, 30000, (batch, context)).astype(np.int32)
+        for start in range(0, context, GENAI_PROMPT_CHUNK):
+            self.gen.append_tokens(prompt[:, start : start + GENAI_PROMPT_CHUNK])
         self.gen.generate_next_token()  # the prompt's own next token (no decode step yet)
 
     def step(self):
