@@ -21,10 +21,15 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from tqexport.native import build as native_build
-from tqexport.ops.attributes import CACHE_WRITE, PAGED_ATTENTION, cache_write_attrs
+from tqexport.ops.attributes import (
+    CACHE_WRITE,
+    DOMAIN,
+    DOMAIN_VERSION,
+    PAGED_ATTENTION,
+    cache_write_attrs,
+)
 from tqexport.spec import KVCacheSpec
 
-DOMAIN = "tqexport"
 ONNX_TYPES = {"float32": TensorProto.FLOAT, "uint8": TensorProto.UINT8,
               "int32": TensorProto.INT32, "int64": TensorProto.INT64}  # fmt: skip
 
@@ -40,7 +45,7 @@ def session(op: str, attrs: dict, inputs: dict, outputs: dict, library: str, thr
     graph = helper.make_graph([node], "g", [info(n, t) for n, t in inputs.items()],
                               [info(n, t) for n, t in outputs.items()])  # fmt: skip
     model = helper.make_model(graph, ir_version=10, opset_imports=[
-        helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)])  # fmt: skip
+        helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)])  # fmt: skip
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.register_custom_ops_library(library)

@@ -15,7 +15,7 @@ from tqexport.kvquant.modes import kv_cache_dtype_names
 from tqexport.kvquant.turboquant import vllm_twin
 from tqexport.models.description import AttentionLayer, ModelDescription
 from tqexport.models.paged import PagedCausalLM
-from tqexport.ops.attributes import DOMAIN
+from tqexport.ops.attributes import DOMAIN, DOMAIN_VERSION
 from tqexport.spec import BuildRequest
 from tqexport.verify.parity import compare_write
 
@@ -98,7 +98,7 @@ def single_node_model(op, attrs, inputs, out_types, *, bodies=True, library=None
     )
     m = helper.make_model(
         g,
-        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)],
         functions=functions,
         ir_version=10,
     )

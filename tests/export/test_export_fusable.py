@@ -17,7 +17,7 @@ from tqexport.export.fusable import (
     rotate_halves,
 )
 from tqexport.native import build as native_build
-from tqexport.ops.attributes import ROTATE_HALF
+from tqexport.ops.attributes import DOMAIN, DOMAIN_VERSION, ROTATE_HALF
 
 D = 16
 
@@ -193,7 +193,7 @@ def batch_axis_model(shared_view: bool = False) -> onnx.ModelProto:
         nodes.append(make("Reshape", ["p", "view"], [f"{name}.view"], allowzero=1))
         x = f"{name}.view"
         if rotated:
-            nodes.append(make(ROTATE_HALF, [x, "cos4", "sin4"], [f"{name}.rot"], domain="tqexport"))
+            nodes.append(make(ROTATE_HALF, [x, "cos4", "sin4"], [f"{name}.rot"], domain=DOMAIN))
             x = f"{name}.rot"
         nodes += [make("Transpose", [x], [f"{name}.heads"], perm=[0, 2, 1, 3]),
                   make("Gather", [f"{name}.heads", "row"], [f"{name}.row"], axis=0),
@@ -209,7 +209,7 @@ def batch_axis_model(shared_view: bool = False) -> onnx.ModelProto:
         shapes["v.view"] = [1, T, H, HD]
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in shapes.items()]
     graph = helper.make_graph(nodes, "g", inputs, outputs, inits)
-    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("tqexport", 1)]
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
     model.functions.append(rotate_half_function())
     return model

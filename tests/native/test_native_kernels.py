@@ -30,6 +30,7 @@ from tqexport.ops.attributes import (
     ADD_BLOCK_OFFSETS,
     CACHE_WRITE,
     DOMAIN,
+    DOMAIN_VERSION,
     PAGED_ATTENTION,
     ROTATE_HALF,
     cache_write_attrs,
@@ -858,7 +859,8 @@ def one_node_session(library, op, names, types, body=None, **attrs):
     )  # fmt: skip
     model = onnx.helper.make_model(
         graph, functions=[body] if body is not None else [], ir_version=10,
-        opset_imports=[onnx.helper.make_opsetid("", 21), onnx.helper.make_opsetid(DOMAIN, 1)],
+        opset_imports=[onnx.helper.make_opsetid("", 21),
+                       onnx.helper.make_opsetid(DOMAIN, DOMAIN_VERSION)],
     )  # fmt: skip
     opts = ort.SessionOptions()
     opts.enable_cpu_mem_arena = False

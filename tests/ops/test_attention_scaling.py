@@ -22,7 +22,7 @@ from tqexport.kvquant.codecs import (
 from tqexport.kvquant.float_bytes import fp8_decode, fp16_from_bytes
 from tqexport.kvquant.packing import unpack_codes
 from tqexport.ops import reference
-from tqexport.ops.attributes import DOMAIN, PAGED_ATTENTION, node_attrs
+from tqexport.ops.attributes import DOMAIN, DOMAIN_VERSION, PAGED_ATTENTION, node_attrs
 from tqexport.ops.torch_ops import codec_for
 from tqexport.spec import BuildRequest
 
@@ -130,7 +130,7 @@ def single_node_session(codec_name, inputs, threads=1, kv_heads=3, heads=9):
         [helper.make_tensor_value_info("out", 1, [None] * 3)],
     )  # fmt: skip
     model = helper.make_model(graph, functions=[fn, *extra], ir_version=10, opset_imports=[
-        helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)])  # fmt: skip
+        helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)])  # fmt: skip
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     session = ort.InferenceSession(model.SerializeToString(), opts)

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from tqexport.ops.attributes import BODY_OPSET, DOMAIN, ROTATE_HALF
+from tqexport.ops.attributes import BODY_OPSET, DOMAIN, ROTATE_HALF, import_domain
 
 
 def divide_by_roots(model: onnx.ModelProto) -> int:
@@ -207,8 +207,7 @@ def rotate_halves(model: onnx.ModelProto) -> int:
     graph.value_info.extend(infos)
     graph.initializer.append(numpy_helper.from_array(np.array([2], np.int64), _HEADS_AXIS))
     model.functions.append(rotate_half_function())
-    if not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    import_domain(model)
     return len(new)
 
 

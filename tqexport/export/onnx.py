@@ -19,7 +19,7 @@ from tqexport.export.functions import function_for, quiet_export
 from tqexport.export.fusable import divide_by_roots, drop_batch_axis, rotate_halves
 from tqexport.export.stack_traces import drop_stack_traces
 from tqexport.models.paged import PagedCausalLM
-from tqexport.ops.attributes import DOMAIN
+from tqexport.ops.attributes import DOMAIN, import_domain
 from tqexport.spec import DEFAULT_OPSET, ModelSpec, block_tables_name, slot_mapping_name
 
 
@@ -104,5 +104,4 @@ def attach_functions(model: onnx.ModelProto, opset: int) -> None:
         fn, extra = function_for(node.op_type, attrs, opset)
         model.functions.append(fn)
         model.functions.extend(extra)
-    if not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
+    import_domain(model)

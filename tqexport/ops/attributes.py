@@ -24,6 +24,15 @@ ROTATE_HALF = "RotateHalf"
 #: the ONNX opset the bodies of AddBlockOffsets and RotateHalf import (written by hand; a model
 #: of a later opset runs them as they are)
 BODY_OPSET = 21
+#: the version of the tqexport domain a model imports
+DOMAIN_VERSION = 1
+
+
+def import_domain(model) -> None:
+    """Add the tqexport domain to an ONNX ``model``'s opset imports unless it is there."""
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.add(domain=DOMAIN, version=DOMAIN_VERSION)
+
 
 #: Every attribute a node may carry, with the Python type of its value: the TensorRT plugins
 #: declare them from these tables, the native kernels read them by these names (generated

@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from tqexport.ops.attributes import ADD_BLOCK_OFFSETS, BODY_OPSET, DOMAIN
+from tqexport.ops.attributes import ADD_BLOCK_OFFSETS, BODY_OPSET, DOMAIN, import_domain
 from tqexport.spec.weights import StoredTensor
 from tqexport.weights.blocks import BlockWeight, pack_int4
 from tqexport.weights.placeholders import GATHER, MATMUL, PLACEHOLDER_DOMAIN
@@ -333,8 +333,8 @@ def store_weights(model: onnx.ModelProto, weights: Mapping[str, Stored],
     for imp in list(model.opset_import):
         if imp.domain == PLACEHOLDER_DOMAIN:
             model.opset_import.remove(imp)
-    if em.functions and not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    if em.functions:
+        import_domain(model)
     return [records[name] for name in dict.fromkeys(name_of[id(n)] for n in stand_ins)]
 
 
