@@ -129,8 +129,9 @@ def genai_session_record(ours: dict, genai_config: dict, overlay: dict, note: st
             "differences": sessions.differences(ours, theirs), "note": note}  # fmt: skip
 
 
-#: prompt tokens GenAI takes per call: its CPU attention holds a call's scores at once (heads x
-#: tokens x context floats: 60 GB for one 32k-token call on Qwen2.5 Coder 0.5B, 3.7 GB a chunk)
+#: prompt tokens GenAI takes per call at batch 1 (it refuses a second call at a larger batch):
+#: its CPU attention holds a call's scores at once (heads x tokens x context floats: 60 GB for
+#: one 32k-token call on Qwen2.5 Coder 0.5B, 3.7 GB for a chunk)
 GENAI_PROMPT_CHUNK = 2048
 
 
@@ -145,8 +146,9 @@ class GenAI:
         self.gen = og.Generator(model, params)
         rng = np.random.default_rng(0)
         prompt = rng.integers(10, 30000, (batch, context)).astype(np.int32)
-        for start in range(0, context, GENAI_PROMPT_CHUNK):
-            self.gen.append_tokens(prompt[:, start : start + GENAI_PROMPT_CHUNK])
+        chunk = GENAI_PROMPT_CHUNK if batch == 1 else context  # GenAI appends once at batch > 1
+        for start in range(0, context, chunk):
+            self.gen.append_tokens(prompt[:, start : start + chunk])
         self.gen.generate_next_token()  # the prompt's own next token (no decode step yet)
 
     def step(self):
