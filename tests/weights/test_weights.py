@@ -3,6 +3,7 @@ equals x times the dequantized matrix, the reference reads the artifact's own we
 and builds store what ``--weights`` asks (or refuse it in one line, before any work)."""
 
 import json
+import re
 from collections import Counter
 
 import gguf
@@ -411,7 +412,10 @@ def test_bench_quality_on_a_model_computes_with_the_weights_a_build_stores(
         assert source_model(art)[1] == "int4 (rtn4)"
 
 
-def test_bench_speed_reuses_a_folder_only_for_the_same_build(tmp_path):
+def test_bench_speed_reuses_a_folder_only_for_the_same_build(tmp_path, monkeypatch):
+    """The same request by the same tqexport version reuses the folder; another request or an
+    artifact of another version is refused, not silently measured."""
+    from tqexport.bench import speed
     from tqexport.bench.speed import artifact_for
 
     art = artifact_for("tiny-llama", "fp8", tmp_path, weights="fp16")
@@ -420,6 +424,11 @@ def test_bench_speed_reuses_a_folder_only_for_the_same_build(tmp_path):
     (art.path.parent / "tiny-llama-fp8-int8").symlink_to(art.path)
     with pytest.raises(TQExportError, match="holds another build of tiny-llama than this run"):
         artifact_for("tiny-llama", "fp8", tmp_path, weights="int8")
+    built_by = art.spec.tqexport_version
+    monkeypatch.setattr(speed, "__version__", "9.9.9")
+    refused = rf"built by tqexport {re.escape(built_by)}, not this 9\.9\.9"
+    with pytest.raises(TQExportError, match=refused):
+        artifact_for("tiny-llama", "fp8", tmp_path, weights="fp16")
 
 
 def test_bench_quality_refuses_weights_for_an_artifact(artifacts, capsys):

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from tqexport import __version__
 from tqexport.bench.filled import filled_tables
 from tqexport.contract.artifact import Artifact, open_artifact
 from tqexport.contract.steps import SeqChunk, build_step
@@ -41,7 +42,8 @@ def artifact_dir(model: str, kv_cache_dtype: str, workdir: Path, recent_window: 
 def artifact_for(model: str, kv_cache_dtype: str, workdir: Path, recent_window: int = 0,
                  weights: str = DEFAULT_WEIGHTS):  # fmt: skip
     """The artifact of MODEL at this kv dtype, recent window and ``--weights``, built into
-    ``workdir`` once and then reused (refused if the folder holds another build)."""
+    ``workdir`` once and then reused (refused if the folder holds another build, or one by
+    another tqexport version)."""
     from tqexport.export.artifact_build import build_artifact
 
     out = artifact_dir(model, kv_cache_dtype, workdir, recent_window, weights)
@@ -54,6 +56,11 @@ def artifact_for(model: str, kv_cache_dtype: str, workdir: Path, recent_window: 
         raise TQExportError(
             f"{out} holds another build of {model} than this run asks for; remove it or give "
             "another --workdir"
+        )
+    if art.spec.tqexport_version != __version__:
+        raise TQExportError(
+            f"{out} was built by tqexport {art.spec.tqexport_version[:20]}, not this "
+            f"{__version__}, whose graphs may differ; remove it or give another --workdir"
         )
     return art
 
