@@ -14,6 +14,7 @@
 
 #include "attention.h"
 #include "decode.h"
+#include "exp.h"
 #include "simd.h"
 
 namespace tqx {
@@ -26,27 +27,6 @@ constexpr int kQueryBlockRows = attn::kQueryBlock;  // queries of an item, at mo
 constexpr int kFusedRows = 4;  // query rows per pass of accumulate_codes4
 
 enum class Kind { Main, Recent, Sink };
-
-// e^x for x <= 0 within 2 ulp (Cody-Waite reduction, degree-6 polynomial), written without
-// branches so the tile loop vectorizes; x below -87 gives 0.
-inline float exp_neg(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  uint32_t bits;  // p * 2^n: n added to the exponent field (unsigned: wraps, never UB)
-  std::memcpy(&bits, &p, 4);
-  bits += static_cast<uint32_t>(static_cast<int32_t>(n)) << 23;
-  std::memcpy(&p, &bits, 4);
-  return x <= -87.0f ? 0.0f : p;
-}
 
 // lanes of x . y (their sum: the dot product), over d floats
 inline simd::Floats dot_lanes(const float* x, const float* y, int d) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "exp.h"
 #include "formats.h"
 
 #define TQX_STR2(x) #x
@@ -283,10 +284,11 @@ void expect_inputs(OrtKernelContext* ctx, size_t n, const char* what) {
                 std::to_string(count)};
 }
 
-// An op of one heterogeneous variadic input (at least kMinInputs tensors) and one output, which
-// ONNX Runtime types as the first input (PagedAttention, AddBlockOffsets, RotateHalf).
-template <typename Op, typename Kernel, int kMinInputs>
-struct OneOutputOp : Ort::CustomOpBase<Op, Kernel, true> {
+// An op of one heterogeneous variadic input (at least kMinInputs tensors) and kOutputs outputs,
+// which ONNX Runtime types as the first input (PagedAttention, AddBlockOffsets, RotateHalf,
+// FusedAddRMSNorm, SiluAndMul).
+template <typename Op, typename Kernel, int kMinInputs, size_t kOutputs = 1>
+struct FirstTypedOp : Ort::CustomOpBase<Op, Kernel, true> {
   size_t GetInputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetInputType(size_t) const {
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
@@ -296,7 +298,7 @@ struct OneOutputOp : Ort::CustomOpBase<Op, Kernel, true> {
   }
   int GetVariadicInputMinArity() const { return kMinInputs; }
   bool GetVariadicInputHomogeneity() const { return false; }
-  size_t GetOutputTypeCount() const { return 1; }
+  size_t GetOutputTypeCount() const { return kOutputs; }
   ONNXTensorElementDataType GetOutputType(size_t) const {
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   }
@@ -538,7 +540,7 @@ std::string setup_attention(const OrtKernelInfo* info, PagedAttentionKernel& k) 
   return "";
 }
 
-struct PagedAttentionOp : OneOutputOp<PagedAttentionOp, PagedAttentionKernel, 6> {
+struct PagedAttentionOp : FirstTypedOp<PagedAttentionOp, PagedAttentionKernel, 6> {
   OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
     return create_kernel<PagedAttentionKernel>(gen::kPagedAttention, info, kernel,
                                                setup_attention);
@@ -666,7 +668,7 @@ struct AddBlockOffsetsKernel {
 };
 
 // x, y (the model's float) and offsets (float32): the output typed as x
-struct AddBlockOffsetsOp : OneOutputOp<AddBlockOffsetsOp, AddBlockOffsetsKernel, 3> {
+struct AddBlockOffsetsOp : FirstTypedOp<AddBlockOffsetsOp, AddBlockOffsetsKernel, 3> {
   OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
     auto k = std::make_unique<AddBlockOffsetsKernel>();
     if (!attr_int(info, gen::attr::block_size, k->block) || k->block < 1)
@@ -758,7 +760,7 @@ struct RotateHalfKernel {
 };
 
 // x, cos and sin: the output typed as x
-struct RotateHalfOp : OneOutputOp<RotateHalfOp, RotateHalfKernel, 3> {
+struct RotateHalfOp : FirstTypedOp<RotateHalfOp, RotateHalfKernel, 3> {
   OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo*, void** kernel) const {
     *kernel = new RotateHalfKernel();
     return nullptr;
@@ -766,10 +768,153 @@ struct RotateHalfOp : OneOutputOp<RotateHalfOp, RotateHalfKernel, 3> {
   const char* GetName() const { return gen::kRotateHalf; }
 };
 
+// -- FusedAddRMSNorm --------------------------------------------------------------------------
+// sum = x + residual, out = sum / sqrt(mean(sum^2) + epsilon) * weight over each row's last axis
+// (float32 rows; the sums exact, the mean's order free).
+__attribute__((target_clones("avx512f", "avx2", "default"),
+               optimize("fp-contract=fast", "associative-math", "no-signed-zeros",
+                        "no-trapping-math"))) void
+add_rms_norm_rows(const float* x, const float* residual, const float* weight, float epsilon,
+                  int64_t rows, int64_t d, float* out, float* sum) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *xr = x + r * d, *rr = residual + r * d;
+    float *sr = sum + r * d, *orow = out + r * d;
+    float squares = 0.0f;
+    for (int64_t i = 0; i < d; ++i) {
+      sr[i] = xr[i] + rr[i];
+      squares += sr[i] * sr[i];
+    }
+    const float root = std::sqrt(squares / static_cast<float>(d) + epsilon);
+    for (int64_t i = 0; i < d; ++i) orow[i] = sr[i] / root * weight[i];
+  }
+}
+
+struct FusedAddRMSNormKernel {
+  float epsilon = 0.0f;
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* ctx) {
+    return guarded(*this, gen::kFusedAddRMSNorm, -1, ctx);
+  }
+
+  void compute(OrtKernelContext* ctx) {
+    expect_inputs(ctx, 3, "x, residual, weight");
+    const Tensor x = input(ctx, 0), res = input(ctx, 1), w = input(ctx, 2);
+    const Elem e = float_elem(x, "x");
+    if (x.shape.empty() || x.shape.back() < 1)
+      throw Error{"x has shape " + shape_str(x.shape) + ", expected [..., D] with D >= 1"};
+    const int64_t d = x.shape.back(), rows = x.numel() / d;
+    expect(res, "residual", x.type, x.shape);
+    expect(w, "weight", x.type, {d});
+    void* out = output(ctx, 0, x.shape);
+    void* sum = output(ctx, 1, x.shape);
+    if (rows == 0) return;
+    const int64_t tasks = std::clamp<int64_t>((rows * d) >> 16, 1, rows);
+    const int64_t span = (rows + tasks - 1) / tasks;
+    parallel(ctx, static_cast<size_t>(tasks), [&](size_t task) {
+      const int64_t r0 = static_cast<int64_t>(task) * span, r1 = std::min(rows, r0 + span);
+      if (r0 >= r1) return;
+      if (e == Elem::float32) {
+        add_rms_norm_rows(static_cast<const float*>(x.data) + r0 * d,
+                          static_cast<const float*>(res.data) + r0 * d,
+                          static_cast<const float*>(w.data), epsilon, r1 - r0, d,
+                          static_cast<float*>(out) + r0 * d, static_cast<float*>(sum) + r0 * d);
+        return;
+      }
+      // other float types: the sum rounded to the type (as an Add of it), then normed in
+      // float32 (its sum with zero: the rounded sum again)
+      const std::vector<float> wf = to_float(w.data, e, d), zeros(d, 0.0f);
+      std::vector<float> sr(d), orow(d), unused(d);
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t i = 0; i < d; ++i) {
+          store_elem(sum, e, r * d + i, load_elem(x.data, e, r * d + i) +
+                                            load_elem(res.data, e, r * d + i));
+          sr[i] = load_elem(sum, e, r * d + i);
+        }
+        add_rms_norm_rows(sr.data(), zeros.data(), wf.data(), epsilon, 1, d, orow.data(),
+                          unused.data());
+        for (int64_t i = 0; i < d; ++i) store_elem(out, e, r * d + i, orow[i]);
+      }
+    });
+  }
+};
+
+// x, residual and weight, all of the model's float type: out and sum typed as x
+struct FusedAddRMSNormOp : FirstTypedOp<FusedAddRMSNormOp, FusedAddRMSNormKernel, 3, 2> {
+  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
+    auto k = std::make_unique<FusedAddRMSNormKernel>();
+    if (!attr_float(info, gen::attr::epsilon, k->epsilon) || !(k->epsilon >= 0.0f))
+      return status(gen::kFusedAddRMSNorm, -1, "missing or bad epsilon (a float >= 0)");
+    *kernel = k.release();
+    return nullptr;
+  }
+  const char* GetName() const { return gen::kFusedAddRMSNorm; }
+};
+
+// -- SiluAndMul --------------------------------------------------------------------------------
+// out[i] = silu(gate[i]) * up[i], silu(g) = g * sigmoid(g) with sigmoid(g) = 1 / (1 + e) for
+// g >= 0, else e / (1 + e), e = exp(-|g|) (no overflow on either side)
+__attribute__((target_clones("avx512f", "avx2", "default"),
+               optimize("fp-contract=fast", "no-trapping-math"))) void
+silu_and_mul_row(const float* __restrict gate, const float* __restrict up, int64_t f,
+                 float* __restrict out) {
+  for (int64_t i = 0; i < f; ++i) {
+    const float g = gate[i], e = exp_neg(-__builtin_fabsf(g));  // std::fabs: not inlined here
+    out[i] = g * (g >= 0.0f ? 1.0f : e) / (1.0f + e) * up[i];
+  }
+}
+
+struct SiluAndMulKernel {
+  OrtStatusPtr ComputeV2(OrtKernelContext* ctx) {
+    return guarded(*this, gen::kSiluAndMul, -1, ctx);
+  }
+
+  void compute(OrtKernelContext* ctx) {
+    expect_inputs(ctx, 1, "x");
+    const Tensor x = input(ctx, 0);
+    const Elem e = float_elem(x, "x");
+    if (x.shape.empty() || x.shape.back() < 2 || x.shape.back() % 2)
+      throw Error{"x has shape " + shape_str(x.shape) + ", expected [..., 2F] (gate, up)"};
+    const int64_t f = x.shape.back() / 2, rows = x.numel() / (2 * f);
+    std::vector<int64_t> out_shape(x.shape);
+    out_shape.back() = f;
+    void* out = output(ctx, 0, out_shape);
+    if (rows == 0) return;
+    const int64_t tasks = std::clamp<int64_t>((rows * f) >> 15, 1, rows);
+    const int64_t span = (rows + tasks - 1) / tasks;
+    parallel(ctx, static_cast<size_t>(tasks), [&](size_t task) {
+      const int64_t r0 = static_cast<int64_t>(task) * span, r1 = std::min(rows, r0 + span);
+      if (r0 >= r1) return;
+      if (e == Elem::float32) {
+        const float* xs = static_cast<const float*>(x.data);
+        for (int64_t r = r0; r < r1; ++r)
+          silu_and_mul_row(xs + r * 2 * f, xs + r * 2 * f + f, f, static_cast<float*>(out) + r * f);
+        return;
+      }
+      std::vector<float> xr(2 * f), orow(f);  // other float types: a row at a time in float32
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t i = 0; i < 2 * f; ++i) xr[i] = load_elem(x.data, e, r * 2 * f + i);
+        silu_and_mul_row(xr.data(), xr.data() + f, f, orow.data());
+        for (int64_t i = 0; i < f; ++i) store_elem(out, e, r * f + i, orow[i]);
+      }
+    });
+  }
+};
+
+// x of the model's float type: the output typed as x
+struct SiluAndMulOp : FirstTypedOp<SiluAndMulOp, SiluAndMulKernel, 1> {
+  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo*, void** kernel) const {
+    *kernel = new SiluAndMulKernel();
+    return nullptr;
+  }
+  const char* GetName() const { return gen::kSiluAndMul; }
+};
+
 CacheWriteOp g_cache_write;
 PagedAttentionOp g_paged_attention;
 AddBlockOffsetsOp g_add_block_offsets;
 RotateHalfOp g_rotate_half;
+FusedAddRMSNormOp g_fused_add_rms_norm;
+SiluAndMulOp g_silu_and_mul;
 
 }  // namespace
 }  // namespace tqx
@@ -799,6 +944,8 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   if (OrtStatus* st = api->CustomOpDomain_Add(domain, &tqx::g_paged_attention)) return st;
   if (OrtStatus* st = api->CustomOpDomain_Add(domain, &tqx::g_add_block_offsets)) return st;
   if (OrtStatus* st = api->CustomOpDomain_Add(domain, &tqx::g_rotate_half)) return st;
+  if (OrtStatus* st = api->CustomOpDomain_Add(domain, &tqx::g_fused_add_rms_norm)) return st;
+  if (OrtStatus* st = api->CustomOpDomain_Add(domain, &tqx::g_silu_and_mul)) return st;
   return api->AddCustomOpDomain(options, domain);
 }
 

@@ -74,7 +74,8 @@ def test_block_size_1_builds_and_matches_the_reference(artifacts, model):
 
 def test_graph_shape_per_layer(artifacts):
     """Each cache input feeds only its CacheWrite, whose output is the graph output itself; the
-    functions are the cache ops' and RotateHalf's (every rotary), one body for all rotaries."""
+    functions are the cache ops', RotateHalf's (every rotary) and FusedAddRMSNorm's (every
+    residual norm), one body each for all rotaries and all norms."""
     art = open_artifact(artifacts("tiny-llama", "fp8"))
     graph = onnx.load(str(art.model_file), load_external_data=False).graph
     outputs = {o.name for o in graph.output}
@@ -88,8 +89,9 @@ def test_graph_shape_per_layer(artifacts):
         (f.name, f.overload)
         for f in onnx.load(str(art.model_file), load_external_data=False).functions
     }
-    assert {name for name, _ in fns} == {"CacheWrite", "PagedAttention", "RotateHalf"}
-    assert ("RotateHalf", "") in fns
+    assert {name for name, _ in fns} == {"CacheWrite", "PagedAttention", "RotateHalf",
+                                         "FusedAddRMSNorm"}  # fmt: skip
+    assert ("RotateHalf", "") in fns and ("FusedAddRMSNorm", "") in fns
 
 
 def test_default_calibration_text_is_not_the_evaluation_text(tmp_path, monkeypatch):

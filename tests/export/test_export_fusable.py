@@ -1,6 +1,8 @@
 """The exported graph's RMS norms take the form ONNX Runtime fuses into one node each; its
 rotate-half rotaries become one RotateHalf node each, computing what they computed; the
-attention reads its rows without the export's batch axis of one and the nodes that took it."""
+attention reads its rows without the export's batch axis of one and the nodes that took it;
+each residual Add and the RMS norm of its sum become one FusedAddRMSNorm, each SwiGLU on a
+packed gate and up product one SiluAndMul."""
 
 import collections
 
@@ -13,11 +15,21 @@ from tqexport.contract.artifact import open_artifact
 from tqexport.export.fusable import (
     divide_by_roots,
     drop_batch_axis,
+    fuse_add_rms_norms,
+    fused_add_rms_norm_function,
     rotate_half_function,
     rotate_halves,
+    silu_and_mul_function,
+    silu_and_muls,
 )
 from tqexport.native import build as native_build
-from tqexport.ops.attributes import DOMAIN, DOMAIN_VERSION, ROTATE_HALF
+from tqexport.ops.attributes import (
+    DOMAIN,
+    DOMAIN_VERSION,
+    FUSED_ADD_RMS_NORM,
+    ROTATE_HALF,
+    SILU_AND_MUL,
+)
 
 D = 16
 
@@ -294,3 +306,190 @@ def test_an_exported_model_feeds_the_attention_from_the_projections_reshaped(art
     assert all(made(n.input[-2]) == "Reshape" for n in writes)
     outputs = [n.output[0] for n in attention]
     assert all([r.op_type for r in graph.node if o in r.input] == ["Reshape"] for o in outputs)
+
+
+def residual_norm_model(weight_after: bool = False, read_inside: bool = False) -> onnx.ModelProto:
+    """``s = Add(x, r)`` read by the next residual Add (``z``, placed right after it) and by an
+    RMS norm in :func:`divide_by_roots`' form, ``y = Mul(w, Div(s, Sqrt(...)))``
+    (``weight_after``: Gemma's ``Mul(normed, 1 + w)``, the ``1 + w`` computed just before the
+    Mul; ``read_inside``: the mean is a graph output too)."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+             numpy_helper.from_array(np.array(1e-6, np.float32), "eps"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+             numpy_helper.from_array(np.array([-1], np.int64), "axes"),
+             numpy_helper.from_array(rng.standard_normal(D).astype(np.float32), "w")]  # fmt: skip
+    make = helper.make_node
+    nodes = [
+        make("Add", ["x", "r"], ["s"]),
+        make("Add", ["s", "x"], ["z"]),
+        make("Pow", ["s", "two"], ["p"]),
+        make("ReduceMean", ["p", "axes"], ["m"]),
+        make("Add", ["m", "eps"], ["a"]),
+        make("Sqrt", ["a"], ["root"]),
+        make("Div", ["s", "root"], ["n"]),
+    ]
+    if weight_after:
+        nodes += [make("Add", ["one", "w"], ["w1"]), make("Mul", ["n", "w1"], ["y"])]
+    else:
+        nodes.append(make("Mul", ["w", "n"], ["y"]))
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [T, D]) for n in ("x", "r")]
+    names = ["y", "z"] + (["m"] if read_inside else [])
+    shapes = {"y": [T, D], "z": [T, D], "m": [T, 1]}
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shapes[n]) for n in names]
+    graph = helper.make_graph(
+        nodes, "g", inputs, outputs, inits if weight_after else inits[:2] + inits[3:]
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+def residual_feed() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(4)
+    return {n: rng.standard_normal((T, D)).astype(np.float32) for n in ("x", "r")}
+
+
+def test_a_residual_add_and_its_norm_become_one_node_with_the_same_values(tmp_path):
+    """One FusedAddRMSNorm with both results under the old names, placed where everything it
+    reads is made and before the residual Add that reads its sum. The sum stays the Add's bit
+    for bit and the norm the unfused ops', through the body and the native kernel (to float32
+    rounding of the mean's order), ORT optimizing or not; ORT turns the body back into its
+    own norm. The norm's constants no other node reads go."""
+    for weight_after in (False, True):
+        model = residual_norm_model(weight_after)
+        feed = residual_feed()
+        before = run_all(model, feed)
+        assert fuse_add_rms_norms(model) == 1
+        ops = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
+        fused = (FUSED_ADD_RMS_NORM, ["x", "r", "w1" if weight_after else "w"], ["y", "s"])
+        want = [("Add", ["one", "w"], ["w1"]), fused] if weight_after else [fused]
+        assert ops == [*want, ("Add", ["s", "x"], ["z"])]
+        assert [helper.get_attribute_value(a) for a in model.graph.node[len(want) - 1].attribute
+                ] == [np.float32(1e-6)]  # fmt: skip
+        assert [(f.name, f.overload) for f in model.functions] == [(FUSED_ADD_RMS_NORM, "")]
+        kept = {t.name for t in model.graph.initializer}
+        assert kept == ({"w", "one"} if weight_after else {"w"})
+        onnx.checker.check_model(model, full_check=True)
+        levels = (ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                  ort.GraphOptimizationLevel.ORT_ENABLE_ALL)  # fmt: skip
+        library = native_build.build().library if native_build.find_ort_headers() else None
+        for level in levels:
+            for lib in {None, library}:
+                y, z = run_all(model, feed, level, lib)
+                np.testing.assert_array_equal(z, before[1])
+                if lib is None and level == levels[0]:
+                    np.testing.assert_array_equal(y, before[0])
+                else:
+                    np.testing.assert_allclose(y, before[0], rtol=1e-5, atol=1e-6)
+        # the residual Adds and ORT's own norm (1 + w folded at load)
+        assert optimized_ops(model, tmp_path) == {"Add": 2, "SimplifiedLayerNormalization": 1}
+
+
+def test_a_norm_read_inside_or_not_after_an_add_stays():
+    """A value inside the norm read elsewhere, or a norm whose input no Add makes, keeps the
+    graph as it is."""
+    model = residual_norm_model(read_inside=True)
+    before = [n.op_type for n in model.graph.node]
+    assert fuse_add_rms_norms(model) == 0
+    assert [n.op_type for n in model.graph.node] == before and not model.functions
+    model = residual_norm_model()
+    model.graph.node[0].op_type = "Sub"
+    assert fuse_add_rms_norms(model) == 0 and not model.functions
+
+
+def test_the_body_is_add_then_the_norm_torch_exports():
+    """The function computes the reference: sum, then sum / sqrt(mean(sum^2) + eps) * w."""
+    body = fused_add_rms_norm_function()
+    assert [n.op_type for n in body.node if n.op_type not in ("Constant", "CastLike")] == [
+        "Add", "Pow", "ReduceMean", "Add", "Sqrt", "Div", "Mul"]  # fmt: skip
+    assert list(body.input) == ["x", "residual", "weight"] and list(body.output) == ["out", "sum"]
+
+
+def test_an_exported_model_fuses_every_residual_norm(artifacts):
+    """Each layer's two residual Adds and the norms after them (the last one's: the final
+    norm) are FusedAddRMSNorm nodes; only the first layer's input norm, after the embedding,
+    stays an RMS norm of its own."""
+    art = open_artifact(artifacts("tiny-llama", "auto"))
+    ops = collections.Counter(n.op_type for n in onnx.load(str(art.model_file)).graph.node)
+    assert ops[FUSED_ADD_RMS_NORM] == 2 * len(art.spec.layers) and ops["ReduceMean"] == 1
+
+
+F = 24  # the gate's (and up's) width in the SwiGLU graphs
+
+
+def swiglu_model(widths=(F, F), gate_read_elsewhere: bool = False) -> onnx.ModelProto:
+    """``Mul(Mul(g, Sigmoid(g)), u)`` with ``g, u = Split(p, widths, axis=-1)``, as the export
+    leaves a SwiGLU on a packed gate and up product (``gate_read_elsewhere``: g is a graph
+    output too)."""
+    make = helper.make_node
+    nodes = [
+        make("Split", ["p", "p.widths"], ["g", "u"], axis=-1),
+        make("Sigmoid", ["g"], ["s"]),
+        make("Mul", ["g", "s"], ["silu"]),
+        make("Mul", ["silu", "u"], ["y"]),
+    ]
+    inits = [numpy_helper.from_array(np.array(widths, np.int64), "p.widths")]
+    inputs = [helper.make_tensor_value_info("p", TensorProto.FLOAT, [T, sum(widths)])]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [T, widths[0]])]
+    if gate_read_elsewhere:
+        outputs.append(helper.make_tensor_value_info("g", TensorProto.FLOAT, [T, widths[0]]))
+    graph = helper.make_graph(nodes, "g", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+def test_a_swiglu_on_a_packed_product_becomes_one_node_with_the_same_values(tmp_path):
+    """One SiluAndMul reading the packed product, under the Mul's output name; the widths stay
+    (the reference splits the packed matrix by them). Its body gives the unfused ops' values
+    bit for bit and ORT turns it into a QuickGelu again; the native kernel is within a few
+    float32 roundings of the exact values (closer than ORT's own Sigmoid, whose relative error
+    reaches 1e-2 on the far negative side)."""
+    model = swiglu_model()
+    feed = {"p": np.random.default_rng(5).normal(0, 4, (T, 2 * F)).astype(np.float32)}
+    feed["p"][0, :4] = [-100.0, 100.0, -89.0, 0.0]  # exp's clamped ends, zero
+    before = run_all(model, feed)
+    assert silu_and_muls(model) == 1
+    ops = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
+    assert ops == [(SILU_AND_MUL, ["p"], ["y"])]
+    assert [t.name for t in model.graph.initializer] == ["p.widths"]
+    assert [(f.name, f.overload) for f in model.functions] == [(SILU_AND_MUL, "")]
+    onnx.checker.check_model(model, full_check=True)
+    levels = (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    for level in levels:
+        np.testing.assert_array_equal(run_all(model, feed, level)[0], before[0])
+    gate, up = feed["p"][:, :F].astype(np.float64), feed["p"][:, F:]
+    exact = gate / (1 + np.exp(-gate)) * up
+    np.testing.assert_allclose(before[0], exact, rtol=0.6, atol=1e-4)  # ORT's own Sigmoid
+    if native_build.find_ort_headers():
+        (got,) = run_all(model, feed, library=native_build.build().library)
+        np.testing.assert_allclose(got, exact, rtol=5e-7, atol=1e-35)
+    assert "QuickGelu" in optimized_ops(model, tmp_path)
+
+
+def test_a_swiglu_of_unequal_parts_or_a_gate_read_elsewhere_stays():
+    for model in (swiglu_model(widths=(F, F + 8)), swiglu_model(gate_read_elsewhere=True)):
+        before = [n.op_type for n in model.graph.node]
+        assert silu_and_muls(model) == 0
+        assert [n.op_type for n in model.graph.node] == before and not model.functions
+
+
+def test_the_silu_body_reads_the_gate_then_the_up_half():
+    """The first half of the last axis is the gate (silu), the second the up product, as vLLM's
+    silu_and_mul reads them and the packed matrices are concatenated."""
+    body = silu_and_mul_function()
+    graph = helper.make_graph(
+        [helper.make_node(SILU_AND_MUL, ["x"], ["y"], domain=DOMAIN)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])])  # fmt: skip
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)]
+    model = helper.make_model(graph, functions=[body], ir_version=10, opset_imports=opsets)
+    x = np.array([[1.0, -2.0, 3.0, 5.0]], np.float32)
+    (y,) = run_all(model, {"x": x})
+    silu = x[:, :2] / (1 + np.exp(-x[:, :2]))
+    np.testing.assert_allclose(y, silu * x[:, 2:], rtol=1e-6)
+
+
+def test_an_int4_build_runs_each_swiglu_as_one_node(artifacts):
+    """tiny-llama with 4-bit weights packs each layer's gate and up: one SiluAndMul per layer,
+    no Sigmoid left."""
+    art = open_artifact(artifacts("tiny-llama", "auto", weights="int4"))
+    ops = collections.Counter(n.op_type for n in onnx.load(str(art.model_file)).graph.node)
+    assert ops[SILU_AND_MUL] == len(art.spec.layers) and ops["Sigmoid"] == 0

@@ -20,7 +20,11 @@ import torch
 from filelock import FileLock
 from helpers import MATRIX_DTYPES, ONNX_TYPES, layer_for, single_node_model
 
-from tqexport.export.fusable import rotate_half_function
+from tqexport.export.fusable import (
+    fused_add_rms_norm_function,
+    rotate_half_function,
+    silu_and_mul_function,
+)
 from tqexport.kvquant.codecs import make_codec, torch_dtype
 from tqexport.kvquant.modes import KV_CACHE_DTYPES, KVQuantMode
 from tqexport.kvquant.turboquant import PRESETS
@@ -31,8 +35,10 @@ from tqexport.ops.attributes import (
     CACHE_WRITE,
     DOMAIN,
     DOMAIN_VERSION,
+    FUSED_ADD_RMS_NORM,
     PAGED_ATTENTION,
     ROTATE_HALF,
+    SILU_AND_MUL,
     cache_write_attrs,
     node_attrs,
 )
@@ -843,19 +849,19 @@ def test_no_code_is_shared_between_the_instruction_set_kernels(tmp_path):
                for isa, syms in zip(("base", "avx2", "avx512"), symbols))  # fmt: skip
 
 
-def one_node_session(library, op, names, types, body=None, **attrs):
-    """One ``op`` node over inputs ``names`` of element ``types`` (names), output typed as the
-    first: served by the library, or by its function ``body`` where given."""
+def one_node_session(library, op, names, types, body=None, outputs=("out",), **attrs):
+    """One ``op`` node over inputs ``names`` of element ``types`` (names), ``outputs`` typed
+    as the first: served by the library, or by its function ``body`` where given."""
     import onnx
 
     elem = [ONNX_TYPES[t] for t in types]
-    node = onnx.helper.make_node(op, names, ["out"], domain=DOMAIN, **attrs)
+    node = onnx.helper.make_node(op, names, list(outputs), domain=DOMAIN, **attrs)
     if body is not None:
         node.overload = body.overload
     graph = onnx.helper.make_graph(
         [node], "g",
         [onnx.helper.make_tensor_value_info(n, e, None) for n, e in zip(names, elem, strict=True)],
-        [onnx.helper.make_tensor_value_info("out", elem[0], None)],
+        [onnx.helper.make_tensor_value_info(o, elem[0], None) for o in outputs],
     )  # fmt: skip
     model = onnx.helper.make_model(
         graph, functions=[body] if body is not None else [], ir_version=10,
@@ -1010,3 +1016,134 @@ def test_block_offsets_and_rotate_half_take_no_rows(library):
             "sin": np.ones((0, 1, 8), np.float32)}  # fmt: skip
     (out,) = rotate_half_session(library, ["float32"] * 3).run(None, feed)
     assert out.shape == (0, 4, 8)
+
+
+def add_rms_norm_session(library, types, body=False, **attrs):
+    """One FusedAddRMSNorm node: inputs x, residual, weight of element ``types``; outputs out
+    and sum (epsilon 1e-5 unless given)."""
+    attrs.setdefault("epsilon", 1e-5)
+    function = fused_add_rms_norm_function() if body else None
+    return one_node_session(library, FUSED_ADD_RMS_NORM, ["x", "residual", "weight"], types,
+                            function, outputs=("out", "sum"), **attrs)  # fmt: skip
+
+
+@pytest.mark.parametrize("shape, dtype", [
+    ((1, 5, 576), "float32"),  # HF's [B, T, D]
+    ((1, 576), "float32"),  # one decode step's row
+    ((300, 960), "float32"),  # a prefill's worth: rows over threads
+    ((3, 7), "float32"),  # a width no vector divides
+    ((2, 3, 64), "float16"),
+])  # fmt: skip
+def test_fused_add_rms_norm_equals_its_body(library, shape, dtype):
+    """sum = x + residual, bit for bit the Add's; out = the RMS norm of sum times weight: the
+    body's within float32 rounding of the mean's order (float16: normed in float32, the body in
+    float16, so within half rounding)."""
+    rng = np.random.default_rng(shape[-1])
+    feed = {"x": rng.standard_normal(shape).astype(dtype),
+            "residual": rng.standard_normal(shape).astype(dtype),
+            "weight": rng.standard_normal(shape[-1]).astype(dtype)}  # fmt: skip
+    got, total = add_rms_norm_session(library, [dtype] * 3).run(None, feed)
+    body, body_total = add_rms_norm_session(library, [dtype] * 3, body=True).run(None, feed)
+    s = feed["x"].astype(np.float64) + feed["residual"]
+    want = s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-5) * feed["weight"]
+    assert got.dtype == total.dtype == np.dtype(dtype) and got.shape == total.shape == shape
+    np.testing.assert_array_equal(total, body_total)
+    if dtype == "float32":
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got, body, rtol=1e-5, atol=1e-6)
+    else:
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-2)
+        np.testing.assert_allclose(got, body, rtol=0, atol=2e-2)
+
+
+BAD_NORMS = {
+    "residual shape": ({"x": (2, 8), "residual": (1, 8), "weight": (8,)},
+                       "residual has shape [1, 8], expected [2, 8] (-1: any)"),
+    "weight length": ({"x": (2, 8), "residual": (2, 8), "weight": (4,)},
+                      "weight has shape [4], expected [8] (-1: any)"),
+    "weight rank": ({"x": (2, 8), "residual": (2, 8), "weight": (1, 8)},
+                    "weight has shape [1, 8], expected [8] (-1: any)"),
+    "scalar x": ({"x": (), "residual": (), "weight": (1,)},
+                 "x has shape [], expected [..., D] with D >= 1"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_NORMS)
+def test_fused_add_rms_norm_answers_bad_input_with_an_error_naming_it(library, case):
+    shapes, message = BAD_NORMS[case]
+    feed = {n: np.ones(s, np.float32) for n, s in shapes.items()}
+    with pytest.raises(InvalidArgument) as e:
+        add_rms_norm_session(library, ["float32"] * 3).run(None, feed)
+    assert str(e.value).endswith(f"tqexport FusedAddRMSNorm: {message}"), str(e.value)
+
+
+def test_fused_add_rms_norm_refuses_a_residual_of_another_type(library):
+    feed = {"x": np.ones((2, 8), np.float32), "residual": np.ones((2, 8), np.float16),
+            "weight": np.ones(8, np.float32)}  # fmt: skip
+    with pytest.raises(InvalidArgument, match="residual has element type float16, expected"):
+        add_rms_norm_session(library, ["float32", "float16", "float32"]).run(None, feed)
+
+
+def test_fused_add_rms_norm_refuses_a_missing_or_negative_epsilon(library):
+    for attrs in ({"epsilon": -1.0}, {"epsilon": None}):
+        with pytest.raises(Exception, match="missing or bad epsilon"):
+            if attrs["epsilon"] is None:
+                one_node_session(library, FUSED_ADD_RMS_NORM, ["x", "residual", "weight"],
+                                 ["float32"] * 3, outputs=("out", "sum"))  # fmt: skip
+            else:
+                add_rms_norm_session(library, ["float32"] * 3, **attrs)
+
+
+def test_fused_add_rms_norm_takes_no_rows(library):
+    feed = {"x": np.ones((0, 8), np.float32), "residual": np.ones((0, 8), np.float32),
+            "weight": np.ones(8, np.float32)}  # fmt: skip
+    out, total = add_rms_norm_session(library, ["float32"] * 3).run(None, feed)
+    assert out.shape == total.shape == (0, 8)
+
+
+def silu_and_mul_session(library, dtype, body=False):
+    """One SiluAndMul node: input x of element ``dtype``."""
+    function = silu_and_mul_function() if body else None
+    return one_node_session(library, SILU_AND_MUL, ["x"], [dtype], function)
+
+
+@pytest.mark.parametrize("shape, dtype", [
+    ((1, 5, 3072), "float32"),  # HF's [B, T, 2F]
+    ((1, 1536), "float32"),  # one decode step's row
+    ((200, 1024), "float32"),  # a prefill's worth: rows over threads
+    ((3, 2), "float32"),  # one element of each half
+    ((2, 3, 64), "float16"),
+])  # fmt: skip
+def test_silu_and_mul_is_silu_of_the_gate_half_times_the_up_half(library, shape, dtype):
+    """out = silu(x[..., :F]) * x[..., F:]: float32 within a few roundings of the exact values
+    over the whole range (exp's clamped ends included), float16 rounded once more; the body
+    (ORT's Sigmoid) agrees to its own accuracy."""
+    rng = np.random.default_rng(shape[-1])
+    x = rng.normal(0, 6, shape).astype(dtype)
+    x.reshape(-1)[:3] = [-120.0, 95.0, 0.0]
+    (got,) = silu_and_mul_session(library, dtype).run(None, {"x": x})
+    (body,) = silu_and_mul_session(library, dtype, body=True).run(None, {"x": x})
+    f = shape[-1] // 2
+    gate, up = x[..., :f].astype(np.float64), x[..., f:]
+    exact = gate / (1 + np.exp(-gate)) * up
+    assert got.dtype == np.dtype(dtype) and got.shape == (*shape[:-1], f)
+    if dtype == "float32":
+        np.testing.assert_allclose(got, exact, rtol=5e-7, atol=1e-35)
+    else:
+        np.testing.assert_allclose(got, exact, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(got, body, rtol=0.6, atol=0.05)
+
+
+@pytest.mark.parametrize(("shape", "message"), [
+    ((2, 7), "x has shape [2, 7], expected [..., 2F] (gate, up)"),
+    ((), "x has shape [], expected [..., 2F] (gate, up)"),
+])  # fmt: skip
+def test_silu_and_mul_answers_bad_input_with_an_error_naming_it(library, shape, message):
+    with pytest.raises(InvalidArgument) as e:
+        silu_and_mul_session(library, "float32").run(None, {"x": np.ones(shape, np.float32)})
+    assert str(e.value).endswith(f"tqexport SiluAndMul: {message}"), str(e.value)
+
+
+def test_silu_and_mul_takes_no_rows(library):
+    (out,) = silu_and_mul_session(library, "float32").run(None, {"x": np.ones((0, 8), np.float32)})
+    assert out.shape == (0, 4)

@@ -339,8 +339,9 @@ def test_engine_graph_uses_the_plugins_and_profile(artifacts):
     art = open_artifact(artifacts("tiny-llama", "turboquant_4bit_nc", ["0"]))
     model = onnx.load(str(art.model_file), load_external_data=False)
     assert sum(n.op_type == "RotateHalf" for n in model.graph.node) == 12  # 6 layers: q, k
-    model = unfuse(model)  # RotateHalf as its standard ops: no plugin implements it
-    assert not any(n.op_type == "RotateHalf" for n in model.graph.node)
+    assert sum(n.op_type == "FusedAddRMSNorm" for n in model.graph.node) == 12  # 2 per layer
+    model = unfuse(model)  # as their standard ops: no plugin implements them
+    assert not any(n.op_type in ("RotateHalf", "FusedAddRMSNorm") for n in model.graph.node)
     assert use_plugins(model) == {"CacheWriteKV": 1, "PagedAttentionKV": 1,
                                   "CacheWriteSlot": 5, "PagedAttentionSlot": 5}  # fmt: skip
     assert not any(n.domain == "tqexport" and n.overload for n in model.graph.node)
@@ -395,6 +396,24 @@ def test_engine_refuses_block_weights_in_one_line_before_tensorrt(artifacts, cap
     assert err.rstrip().endswith("rebuild with --weights fp16 (or fp32)")
     assert not (path / "engine.plan").exists()
     check_weights(open_artifact(artifacts("tiny-llama", "fp8", weights="fp16")).spec)
+
+
+def test_the_engine_graph_inlines_every_fusion(artifacts):
+    """RotateHalf, FusedAddRMSNorm and SiluAndMul (a 4-bit build's packed SwiGLUs) all go back
+    to their standard ops: no plugin implements them."""
+    import collections
+
+    import onnx
+
+    from tqexport.export.tensorrt_engine import unfuse
+    from tqexport.ops.attributes import FUSIONS
+
+    path = artifacts("tiny-llama", "auto", weights="int4")
+    model = onnx.load(str(path / "model.onnx"), load_external_data=False)
+    ops = collections.Counter(n.op_type for n in model.graph.node)
+    assert [ops[op] for op in FUSIONS] == [12, 12, 6]  # 6 layers
+    ops = collections.Counter(n.op_type for n in unfuse(model).graph.node)
+    assert [ops[op] for op in FUSIONS] == [0, 0, 0] and ops["Sigmoid"] == 6
 
 
 def test_trt_backend_needs_an_engine(artifacts):

@@ -26,6 +26,7 @@ from tqexport.contract.files import (
     write_manifest,
 )
 from tqexport.errors import TQExportError
+from tqexport.export.fusable import silu_and_muls
 from tqexport.export.onnx import export_model
 from tqexport.export.outdir import Staging, check_target
 from tqexport.export.source import BuildSource
@@ -130,12 +131,14 @@ def build_artifact(
 
 def _export(source: BuildSource, spec: ModelSpec, request: BuildRequest, data_file: Path):
     """The graph of ``spec`` and the spec with its weights section: the stored weights (if the
-    build stores any) replace their stand-ins, their bytes written to ``data_file`` as made."""
+    build stores any) replace their stand-ins, their bytes written to ``data_file`` as made,
+    and each SwiGLU on a packed gate and up product becomes one node."""
     graph = export_model(source.export_model, spec, request.opset)
     stored = source.export
     if stored is None:
         return graph, spec
     records = store_weights(graph, stored.stored, data_file=data_file)
+    silu_and_muls(graph)  # on the packed gate and up products store_weights made
     records += [StoredTensor(name, "fp32", None, kind) for name, kind in stored.floats.items()]
     spec = dataclasses.replace(spec, weights=WeightsSpec(tuple(records), ACCURACY_LEVEL))
     set_spec_metadata(graph, spec)

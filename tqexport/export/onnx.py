@@ -16,7 +16,12 @@ from tqexport.contract.caches import allocate_caches
 from tqexport.contract.files import set_spec_metadata
 from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
 from tqexport.export.functions import function_for, quiet_export
-from tqexport.export.fusable import divide_by_roots, drop_batch_axis, rotate_halves
+from tqexport.export.fusable import (
+    divide_by_roots,
+    drop_batch_axis,
+    fuse_add_rms_norms,
+    rotate_halves,
+)
 from tqexport.export.stack_traces import drop_stack_traces
 from tqexport.models.paged import PagedCausalLM
 from tqexport.ops.attributes import DOMAIN, import_domain
@@ -84,6 +89,7 @@ def export_model(hf_model: torch.nn.Module, spec: ModelSpec, opset: int = DEFAUL
     attach_functions(model, opset)
     rotate_halves(model)  # after: RotateHalf brings its own body
     drop_batch_axis(model)  # after: takes RotateHalf's rows too
+    fuse_add_rms_norms(model)  # after divide_by_roots: reads its Div form
     set_spec_metadata(model, spec)
     return model
 

@@ -18,7 +18,7 @@ from tqexport import validate
 from tqexport.contract.artifact import open_artifact
 from tqexport.contract.files import ENGINE_FILE, PROFILE_FILE
 from tqexport.errors import TQExportError
-from tqexport.ops.attributes import DOMAIN, ROTATE_HALF, cache_write_attrs
+from tqexport.ops.attributes import DOMAIN, FUSIONS, cache_write_attrs
 from tqexport.safe_files import write_file
 from tqexport.spec import ModelSpec
 from trt_plugins.toolchain import require_gpu, require_tensorrt
@@ -52,9 +52,10 @@ def node_attributes(node: onnx.NodeProto) -> dict:
 
 
 def unfuse(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with its RotateHalf nodes replaced by their function bodies (standard ONNX
-    ops TensorRT fuses itself; no plugin implements RotateHalf)."""
-    return onnx.inliner.inline_selected_functions(model, [(DOMAIN, ROTATE_HALF)])
+    """``model`` with its fusion nodes (RotateHalf, FusedAddRMSNorm, SiluAndMul) replaced by
+    their function bodies (standard ONNX ops TensorRT fuses itself; no plugin implements
+    them)."""
+    return onnx.inliner.inline_selected_functions(model, [(DOMAIN, op) for op in FUSIONS])
 
 
 def use_plugins(model: onnx.ModelProto) -> dict[str, int]:

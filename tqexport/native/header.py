@@ -169,13 +169,15 @@ def _tensor_lines() -> list[str]:
 def _node_lines() -> list[str]:
     """The op domain, op names and node attribute names, each a constant of its own name."""
     names = [*attributes.CACHE_ATTRS, *attributes.ATTENTION_ATTRS, *attributes.SEGMENT_ATTRS,
-             *attributes.NODE_ATTRS]  # fmt: skip
+             *attributes.NORM_ATTRS, *attributes.NODE_ATTRS]  # fmt: skip
     return [
         f'inline constexpr char kDomain[] = "{attributes.DOMAIN}";',
         f'inline constexpr char kCacheWrite[] = "{attributes.CACHE_WRITE}";',
         f'inline constexpr char kPagedAttention[] = "{attributes.PAGED_ATTENTION}";',
         f'inline constexpr char kAddBlockOffsets[] = "{attributes.ADD_BLOCK_OFFSETS}";',
         f'inline constexpr char kRotateHalf[] = "{attributes.ROTATE_HALF}";',
+        f'inline constexpr char kFusedAddRMSNorm[] = "{attributes.FUSED_ADD_RMS_NORM}";',
+        f'inline constexpr char kSiluAndMul[] = "{attributes.SILU_AND_MUL}";',
         "namespace attr {",
         *(f'inline constexpr char {n}[] = "{n}";' for n in names),
         "}  // namespace attr",

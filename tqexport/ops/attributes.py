@@ -21,8 +21,19 @@ ADD_BLOCK_OFFSETS = "AddBlockOffsets"
 #: ``x * cos + rotate_half(x) * sin``: a rotary embedding in one node
 #: (:mod:`tqexport.export.fusable`)
 ROTATE_HALF = "RotateHalf"
-#: the ONNX opset the bodies of AddBlockOffsets and RotateHalf import (written by hand; a model
-#: of a later opset runs them as they are)
+#: ``sum = x + residual``, ``out = rms_norm(sum) * weight``: a residual add and the RMS norm
+#: reading it in one node, both results out (vLLM's ``fused_add_rms_norm``;
+#: :mod:`tqexport.export.fusable`)
+FUSED_ADD_RMS_NORM = "FusedAddRMSNorm"
+#: ``silu(x[..., :F]) * x[..., F:]`` over a last axis of ``2F``: a SwiGLU MLP's gate and up
+#: products, packed into one product, in one node (vLLM's ``silu_and_mul``;
+#: :mod:`tqexport.export.fusable`)
+SILU_AND_MUL = "SiluAndMul"
+#: the ops that only fuse standard ONNX ops (their bodies compute exactly that): a runtime with
+#: no kernel for them (TensorRT) runs their bodies inlined
+FUSIONS = (ROTATE_HALF, FUSED_ADD_RMS_NORM, SILU_AND_MUL)
+#: the ONNX opset the bodies of AddBlockOffsets, RotateHalf, FusedAddRMSNorm and SiluAndMul
+#: import (written by hand; a model of a later opset runs them as they are)
 BODY_OPSET = 21
 #: the version of the tqexport domain a model imports
 DOMAIN_VERSION = 1
@@ -47,6 +58,8 @@ ATTENTION_ATTRS: dict[str, type] = {"num_heads": int, "scale": float, "softcap":
                                     "window": int}  # fmt: skip
 #: a PagedAttention's with a recent window (and sink tokens in it), only then present
 SEGMENT_ATTRS: dict[str, type] = {"recent_window": int, "sink_tokens": int}
+#: a FusedAddRMSNorm's: the norm's epsilon
+NORM_ATTRS: dict[str, type] = {"epsilon": float}
 #: every node's, after the static parameters
 NODE_ATTRS: dict[str, type] = {"variant": str, "layer": int}
 
