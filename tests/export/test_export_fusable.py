@@ -396,6 +396,13 @@ def test_a_norm_read_inside_or_not_after_an_add_stays():
     assert fuse_add_rms_norms(model) == 0 and not model.functions
 
 
+def test_a_bias_add_before_a_norm_stays():
+    """An Add of a constant (a bias, which broadcasts) is no residual stream: it stays."""
+    model = residual_norm_model()
+    model.graph.node[0].input[1] = "w"
+    assert fuse_add_rms_norms(model) == 0 and not model.functions
+
+
 def test_the_body_is_add_then_the_norm_torch_exports():
     """The function computes the reference: sum, then sum / sqrt(mean(sum^2) + eps) * w."""
     body = fused_add_rms_norm_function()

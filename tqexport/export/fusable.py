@@ -123,6 +123,12 @@ class _Graph:
             elif t.data_type == onnx.TensorProto.FLOAT and int(np.prod(t.dims)) == 1:
                 self.scalars[name] = float(numpy_helper.to_array(t).reshape(()))
         self.outputs = {o.name for o in graph.output}
+        self.initializers = {t.name for t in graph.initializer}
+
+    def constant(self, name: str) -> bool:
+        """Whether ``name`` is an initializer or a Constant node's output."""
+        made = self.producer.get(name)
+        return name in self.initializers or (made is not None and made.op_type == "Constant")
 
     def made_by(self, name: str, op: str) -> onnx.NodeProto | None:
         n = self.producer.get(name)
@@ -399,12 +405,15 @@ def fused_add_rms_norm_function() -> onnx.FunctionProto:
 def _add_rms_norm(g: _Graph, mul: onnx.NodeProto) -> dict | None:
     """The parts of ``Mul(weight, Div(s, Sqrt(Add(ReduceMean(Pow(s, 2), [-1]), eps))))`` at
     ``mul`` (either operand order; an RMS norm after :func:`divide_by_roots`) with ``s =
-    Add(x, residual)``, else None."""
+    Add(x, residual)`` of two computed tensors (a constant there is a bias, not a residual
+    stream), else None."""
+    if len(mul.input) != 2:
+        return None
     for w, d in ((0, 1), (1, 0)):
         div = g.made_by(mul.input[d], "Div")
         root = div and g.made_by(div.input[1], "Sqrt")
         shift = root and g.made_by(root.input[0], "Add")
-        if shift is None or len(mul.input) != 2:
+        if shift is None:
             continue
         for m, e in ((0, 1), (1, 0)):
             mean = g.made_by(shift.input[m], "ReduceMean")
@@ -414,6 +423,7 @@ def _add_rms_norm(g: _Graph, mul: onnx.NodeProto) -> dict | None:
                 continue
             total = g.made_by(div.input[0], "Add")
             if (total is None or square.input[0] != total.output[0] or len(total.input) != 2
+                    or any(g.constant(i) for i in total.input)
                     or g.scalars.get(square.input[1]) != 2.0 or g.ints(mean.input[1]) != [-1]
                     or _attr(mean, "keepdims", 1) != 1
                     or _attr(mean, "noop_with_empty_axes", 0) != 0):  # fmt: skip
@@ -437,7 +447,7 @@ def _element_types(graph: onnx.GraphProto) -> dict[str, int]:
 
 
 def _apply(model: onnx.ModelProto, new: dict[int, list[onnx.NodeProto]], drop: set[int],
-           function: onnx.FunctionProto, keep: set[str] = frozenset()) -> None:  # fmt: skip
+           function: onnx.FunctionProto, keep: frozenset[str] = frozenset()) -> None:  # fmt: skip
     """Splice a rewrite into the main graph (:func:`_spliced`), declare its new nodes' outputs
     (ORT infers no custom op's type), drop the value infos of tensors gone and the initializers
     only removed nodes read (but those in ``keep``), and add ``function`` with the tqexport
@@ -551,5 +561,5 @@ def silu_and_muls(model: onnx.ModelProto) -> int:
         drop.update(id(n) for n in found["drop"])
     if new:  # the packed matrices' widths stay: the reference splits them by these
         kept = {n.input[1] for n in model.graph.node if id(n) in drop and n.op_type == "Split"}
-        _apply(model, new, drop, silu_and_mul_function(), kept)
+        _apply(model, new, drop, silu_and_mul_function(), frozenset(kept))
     return len(new)
