@@ -133,12 +133,30 @@ def genai_session_record(ours: dict, genai_config: dict, overlay: dict, note: st
 #: its CPU attention holds a call's scores at once (heads x tokens x context floats: 60 GB for
 #: one 32k-token call on Qwen2.5 Coder 0.5B, 3.7 GB for a chunk)
 GENAI_PROMPT_CHUNK = 2048
+#: prompt tokens llama.cpp evaluates per call (one call is the same computation in pieces)
+LLAMA_PROMPT_CHUNK = 2048
+#: a peer's prompt longer than this reports each chunk on stderr: at 16k tokens the peers'
+#: prefills are tens of minutes that would otherwise pass without a line
+PREFILL_REPORT = 4096
+
+
+def prefill(label: str, tokens: int, chunk: int, feed) -> None:
+    """``feed(start, end)`` over a ``tokens``-long prompt in slices of ``chunk``; past
+    :data:`PREFILL_REPORT` tokens a line on stderr after each slice (tokens done, seconds)."""
+    t0 = time.perf_counter()
+    for start in range(0, tokens, chunk):
+        end = min(tokens, start + chunk)
+        feed(start, end)
+        if tokens > PREFILL_REPORT:
+            took = time.perf_counter() - t0
+            print(f"  {label}: prompt {end}/{tokens} tokens ({took:.0f} s)", file=sys.stderr,
+                  flush=True)  # fmt: skip
 
 
 class GenAI:
     """One GenAI generator holding ``batch`` prompts of ``context`` tokens."""
 
-    def __init__(self, model, context: int, batch: int, steps: int):
+    def __init__(self, model, context: int, batch: int, steps: int, label: str = GENAI):
         import onnxruntime_genai as og
 
         params = og.GeneratorParams(model)
@@ -147,8 +165,7 @@ class GenAI:
         rng = np.random.default_rng(0)
         prompt = rng.integers(10, 30000, (batch, context)).astype(np.int32)
         chunk = GENAI_PROMPT_CHUNK if batch == 1 else context  # GenAI appends once at batch > 1
-        for start in range(0, context, chunk):
-            self.gen.append_tokens(prompt[:, start : start + chunk])
+        prefill(label, context, chunk, lambda a, b: self.gen.append_tokens(prompt[:, a:b]))
         self.gen.generate_next_token()  # the prompt's own next token (no decode step yet)
 
     def step(self):
@@ -171,7 +188,9 @@ class LlamaCpp:
             verbose=False,
         )
         rng = np.random.default_rng(0)
-        self.llm.eval(rng.integers(10, 30000, context).tolist())
+        prompt = rng.integers(10, 30000, context).tolist()
+        prefill(f"llama.cpp {kv_type}", context, LLAMA_PROMPT_CHUNK,
+                lambda a, b: self.llm.eval(prompt[a:b]))  # fmt: skip
 
     def step(self):
         self.llm.eval([7])
@@ -304,7 +323,7 @@ def main(argv: list[str] | None = None):
                     floor_art, b, args.threads
                 )
             for system, model in genai.items() if b * c <= args.peer_max_cached_tokens else ():
-                systems[system] = GenAI(model, c, b, args.steps)
+                systems[system] = GenAI(model, c, b, args.steps, system)
             if gguf is not None and b == 1:
                 for kv in args.llama_kv.split(","):
                     systems[f"llama.cpp {kv}"] = LlamaCpp(gguf, kv, c, args.threads)

@@ -701,3 +701,19 @@ def test_peers_speed_bad_kernels_is_one_line(tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert lines == ["error: --kernels must be one of auto, native, bodies, got 'fast'"]
     assert not (tmp_path / "w").exists()
+
+
+def test_a_long_peer_prompt_reports_each_chunk_and_feeds_it_all(capsys):
+    """The prompt is fed in consecutive slices covering it once; past PREFILL_REPORT tokens
+    each slice prints one progress line on stderr, a short prompt none."""
+    mod = _peers_speed()
+    fed = []
+    mod.prefill("GenAI int4", mod.PREFILL_REPORT + 5, 2048, lambda a, b: fed.append((a, b)))
+    total = mod.PREFILL_REPORT + 5
+    assert fed == [(a, min(total, a + 2048)) for a in range(0, total, 2048)]
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == len(fed)
+    assert lines[-1].startswith(f"  GenAI int4: prompt {total}/{total} tokens (")
+    fed.clear()
+    mod.prefill("llama.cpp f16", 1000, 2048, lambda a, b: fed.append((a, b)))
+    assert fed == [(0, 1000)] and capsys.readouterr().err == ""
