@@ -12,15 +12,17 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from tqexport.contract.artifact import open_artifact
+from tqexport.export.block_fusions import (
+    fuse_add_rms_norms,
+    fused_add_rms_norm_function,
+    silu_and_mul_function,
+    silu_and_muls,
+)
 from tqexport.export.fusable import (
     divide_by_roots,
     drop_batch_axis,
-    fuse_add_rms_norms,
-    fused_add_rms_norm_function,
     rotate_half_function,
     rotate_halves,
-    silu_and_mul_function,
-    silu_and_muls,
 )
 from tqexport.native import build as native_build
 from tqexport.ops.attributes import (

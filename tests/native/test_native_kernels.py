@@ -20,11 +20,8 @@ import torch
 from filelock import FileLock
 from helpers import MATRIX_DTYPES, ONNX_TYPES, layer_for, single_node_model
 
-from tqexport.export.fusable import (
-    fused_add_rms_norm_function,
-    rotate_half_function,
-    silu_and_mul_function,
-)
+from tqexport.export.block_fusions import fused_add_rms_norm_function, silu_and_mul_function
+from tqexport.export.fusable import rotate_half_function
 from tqexport.kvquant.codecs import make_codec, torch_dtype
 from tqexport.kvquant.modes import KV_CACHE_DTYPES, KVQuantMode
 from tqexport.kvquant.turboquant import PRESETS

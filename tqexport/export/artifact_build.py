@@ -26,7 +26,7 @@ from tqexport.contract.files import (
     write_manifest,
 )
 from tqexport.errors import TQExportError
-from tqexport.export.fusable import silu_and_muls
+from tqexport.export.block_fusions import silu_and_muls
 from tqexport.export.onnx import export_model
 from tqexport.export.outdir import Staging, check_target
 from tqexport.export.source import BuildSource

@@ -15,13 +15,9 @@ import torch
 from tqexport.contract.caches import allocate_caches
 from tqexport.contract.files import set_spec_metadata
 from tqexport.contract.steps import SeqChunk, build_step, ordered_inputs
+from tqexport.export.block_fusions import fuse_add_rms_norms
 from tqexport.export.functions import function_for, quiet_export
-from tqexport.export.fusable import (
-    divide_by_roots,
-    drop_batch_axis,
-    fuse_add_rms_norms,
-    rotate_halves,
-)
+from tqexport.export.fusable import divide_by_roots, drop_batch_axis, rotate_halves
 from tqexport.export.stack_traces import drop_stack_traces
 from tqexport.models.paged import PagedCausalLM
 from tqexport.ops.attributes import DOMAIN, import_domain

@@ -23,11 +23,11 @@ ADD_BLOCK_OFFSETS = "AddBlockOffsets"
 ROTATE_HALF = "RotateHalf"
 #: ``sum = x + residual``, ``out = rms_norm(sum) * weight``: a residual add and the RMS norm
 #: reading it in one node, both results out (vLLM's ``fused_add_rms_norm``;
-#: :mod:`tqexport.export.fusable`)
+#: :mod:`tqexport.export.block_fusions`)
 FUSED_ADD_RMS_NORM = "FusedAddRMSNorm"
 #: ``silu(x[..., :F]) * x[..., F:]`` over a last axis of ``2F``: a SwiGLU MLP's gate and up
 #: products, packed into one product, in one node (vLLM's ``silu_and_mul``;
-#: :mod:`tqexport.export.fusable`)
+#: :mod:`tqexport.export.block_fusions`)
 SILU_AND_MUL = "SiluAndMul"
 #: the ops that only fuse standard ONNX ops (their bodies compute exactly that): a runtime with
 #: no kernel for them (TensorRT) runs their bodies inlined
